@@ -1,0 +1,241 @@
+"""The only place defaults live: frozen dataclasses, YAML files and `--set key=value` overrides.
+
+A config file holds only what differs from the defaults. An unknown key, a value of the wrong type
+or a value out of range raises `ConfigError` with one sentence naming the key and what is valid.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+  """Bad user input: the message is one sentence the CLI prints before exiting with code 2."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+  kind: str = "gpt"  # gpt | cnn
+  n_layers: int = 4
+  d_model: int = 128
+  n_heads: int = 4
+  n_kv_heads: int = 0  # 0 = n_heads (multi-head attention); fewer = grouped-query attention
+  d_ff: int = 512
+  vocab_size: int = 256  # byte-level tokens
+  seq_len: int = 128
+  num_classes: int = 10  # cnn only
+
+
+@dataclass(frozen=True)
+class DataConfig:
+  source: str = "local_text"  # local_text | tfds | synthetic
+  name: str = ""  # TFDS dataset name when source=tfds
+  split: str = "train"
+  data_dir: str = ""  # where TFDS datasets live / are built; "" = <workdir>/data
+  path: str = ""  # folder of text files for local_text; "" = this Python's standard library
+  max_bytes: int = 8_000_000  # local_text: cap on bytes read from the folder (0 = no cap)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 300
+  batch_size: int = 16  # global, in sequences (or images)
+  grad_accum: int = 1
+  lr: float = 3e-3
+  warmup_steps: int = 30
+  min_lr_ratio: float = 0.1
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  clip_norm: float = 1.0
+  seed: int = 0
+  log_every: int = 10
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+  zero_stage: int = 0
+  offload_optimizer: bool = False
+  microbatches: int = 1
+  schedule: str = "gpipe"  # gpipe | circular | 1f1b
+  virtual_stages: int = 1
+  remat: bool = False
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+  param_dtype: str = "float32"
+  compute_dtype: str = "auto"  # auto = bfloat16 on GPU, float32 elsewhere
+  loss_scale: float = 1.0  # static loss scale, for float16 compute
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+  every: int = 0  # 0 = only at the end
+  keep: int = 3
+
+
+@dataclass(frozen=True)
+class Config:
+  model: ModelConfig = field(default_factory=ModelConfig)
+  data: DataConfig = field(default_factory=DataConfig)
+  train: TrainConfig = field(default_factory=TrainConfig)
+  parallel: ParallelConfig = field(default_factory=ParallelConfig)
+  precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+  checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_CHOICES = {
+    "model.kind": ("gpt", "cnn"),
+    "data.source": ("local_text", "tfds", "synthetic"),
+    "parallel.schedule": ("gpipe", "circular", "1f1b"),
+    "precision.param_dtype": _DTYPES,
+    "precision.compute_dtype": ("auto",) + _DTYPES,
+}
+_POSITIVE = ("model.n_layers", "model.d_model", "model.n_heads", "model.d_ff", "model.vocab_size",
+             "model.seq_len", "model.num_classes", "train.steps", "train.batch_size",
+             "train.grad_accum", "train.log_every", "parallel.microbatches",
+             "parallel.virtual_stages", "checkpoint.keep")
+_NON_NEGATIVE = ("model.n_kv_heads", "train.warmup_steps", "train.weight_decay", "train.clip_norm",
+                 "checkpoint.every", "data.max_bytes", "train.lr")
+
+
+def _field_types(cls) -> dict[str, Any]:
+  hints = typing.get_type_hints(cls)
+  return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+  """Converts a YAML or --set value to the field's type, or raises ConfigError."""
+  if isinstance(value, str) and typ is not str:
+    try:
+      value = yaml.safe_load(value)
+    except yaml.YAMLError:
+      pass
+  if typ is bool:
+    if isinstance(value, bool):
+      return value
+  elif typ is int:
+    if isinstance(value, int) and not isinstance(value, bool):
+      return value
+  elif typ is float:
+    if isinstance(value, str):
+      try:
+        return float(value)  # YAML reads "1e-3" as a string
+      except ValueError:
+        pass
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return float(value)
+  elif typ is str:
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+      return str(value)
+  raise ConfigError(f"config key {key} must be of type {typ.__name__}, got {value!r}")
+
+
+def _apply(cfg: Config, key: str, value: Any) -> Config:
+  parts = key.split(".")
+  if len(parts) != 2:
+    raise ConfigError(f"unknown config key: {key} (keys look like section.name, e.g. train.lr)")
+  section, name = parts
+  sections = _field_types(Config)
+  if section not in sections:
+    raise ConfigError(f"unknown config key: {key} (sections: {', '.join(sections)})")
+  sub = getattr(cfg, section)
+  types_ = _field_types(type(sub))
+  if name not in types_:
+    raise ConfigError(f"unknown config key: {key} (valid in {section}: {', '.join(types_)})")
+  new_sub = dataclasses.replace(sub, **{name: _coerce(key, value, types_[name])})
+  return dataclasses.replace(cfg, **{section: new_sub})
+
+
+def _flatten(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
+  if isinstance(tree, dict):
+    out = []
+    for k, v in tree.items():
+      out += _flatten(v, f"{prefix}.{k}" if prefix else str(k))
+    return out
+  return [(prefix, tree)]
+
+
+def validate(cfg: Config) -> Config:
+  """Range and choice checks that do not depend on the mesh."""
+  for key, choices in _CHOICES.items():
+    value = get(cfg, key)
+    if value not in choices:
+      raise ConfigError(f"config key {key}={value!r} is not one of {', '.join(choices)}")
+  for key in _POSITIVE:
+    if get(cfg, key) <= 0:
+      raise ConfigError(f"config key {key}={get(cfg, key)} must be positive")
+  for key in _NON_NEGATIVE:
+    if get(cfg, key) < 0:
+      raise ConfigError(f"config key {key}={get(cfg, key)} must not be negative")
+  if cfg.parallel.zero_stage not in (0, 1, 2, 3):
+    raise ConfigError(f"config key parallel.zero_stage={cfg.parallel.zero_stage} must be 0, 1, 2 or 3")
+  m = cfg.model
+  if m.kind == "gpt":
+    if m.d_model % m.n_heads:
+      raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
+    kv = m.n_kv_heads or m.n_heads
+    if m.n_heads % kv:
+      raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={kv}")
+  if cfg.train.batch_size % cfg.train.grad_accum:
+    raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not divisible by "
+                      f"train.grad_accum={cfg.train.grad_accum}")
+  if cfg.data.source == "tfds" and not cfg.data.name:
+    raise ConfigError("data.source=tfds needs data.name (a TFDS dataset name, e.g. lm1b)")
+  return cfg
+
+
+def get(cfg: Config, key: str) -> Any:
+  section, name = key.split(".")
+  return getattr(getattr(cfg, section), name)
+
+
+def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+  """Defaults, then the YAML file at `path`, then `key=value` overrides (later wins)."""
+  cfg = Config()
+  if path:
+    if not os.path.isfile(path):
+      raise ConfigError(f"config file {path} does not exist")
+    with open(path) as f:
+      try:
+        tree = yaml.safe_load(f) or {}
+      except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(tree, dict):
+      raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(tree).__name__}")
+    for key, value in _flatten(tree):
+      cfg = _apply(cfg, key, value)
+  for item in overrides:
+    if "=" not in item:
+      raise ConfigError(f"--set takes key=value, got {item!r}")
+    key, value = item.split("=", 1)
+    cfg = _apply(cfg, key.strip(), value)
+  return validate(cfg)
+
+
+def override(cfg: Config, **sections: dict[str, Any]) -> Config:
+  """Python-side overrides: override(cfg, train={'steps': 5}). Same checks as --set."""
+  for section, values in sections.items():
+    for name, value in values.items():
+      cfg = _apply(cfg, f"{section}.{name}", value)
+  return validate(cfg)
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+  return dataclasses.asdict(cfg)
+
+
+def from_dict(tree: dict[str, Any]) -> Config:
+  cfg = Config()
+  for key, value in _flatten(tree):
+    cfg = _apply(cfg, key, value)
+  return validate(cfg)
+
+

@@ -1,0 +1,220 @@
+"""Byte-level tokens, packing into fixed windows, and a deterministic, resumable batch iterator.
+
+Numpy only: the caller passes jax.process_index()/process_count(), so this module never imports JAX.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import zlib
+from typing import Iterable
+
+import numpy as np
+
+VOCAB_SIZE = 256  # token = byte value
+# NUL ends every document. local_text skips files that contain NUL, so the token is unambiguous.
+SEPARATOR = 0
+SYNTHETIC_WINDOWS = 4096
+
+
+def tokenize(text: bytes | str) -> np.ndarray:
+  """UTF-8 bytes as tokens: [len] uint8."""
+  data = text.encode("utf-8") if isinstance(text, str) else text
+  return np.frombuffer(data, dtype=np.uint8)
+
+
+def pack(docs: Iterable[bytes | str], seq_len: int) -> np.ndarray:
+  """Documents, each followed by SEPARATOR, cut into disjoint windows: [N, seq_len + 1] uint8.
+
+  The tail shorter than a window is dropped.
+  """
+  sep = bytes([SEPARATOR])
+  stream = b"".join((d.encode("utf-8") if isinstance(d, str) else d) + sep for d in docs)
+  n = len(stream) // (seq_len + 1)
+  return tokenize(stream[:n * (seq_len + 1)]).reshape(n, seq_len + 1)
+
+
+def inputs_targets(batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """[B, seq_len + 1] -> inputs [B, seq_len], targets [B, seq_len] (inputs shifted by one)."""
+  return batch[:, :-1], batch[:, 1:]
+
+
+def synthetic_windows(seq_len: int, seed: int, n: int = SYNTHETIC_WINDOWS) -> np.ndarray:
+  """Seeded bytes a model can learn: [n, seq_len + 1] uint8.
+
+  Each byte is followed by a fixed successor 3 times in 4, else by a random byte, so the loss of a
+  model that learns the chain drops well below log(256).
+  """
+  rng = np.random.default_rng([seed % 2**32, 0x5EED])
+  successor = rng.permutation(VOCAB_SIZE).astype(np.uint8)
+  noise = rng.integers(0, VOCAB_SIZE, (n, seq_len + 1), dtype=np.uint8)
+  follow = rng.random((n, seq_len + 1)) < 0.75
+  out = noise.copy()
+  for t in range(1, seq_len + 1):
+    out[:, t] = np.where(follow[:, t], successor[out[:, t - 1]], noise[:, t])
+  return out
+
+
+class _Plan:
+  """Which rows of `windows` make batch (epoch, position) for one process; caches one epoch."""
+
+  def __init__(self, windows, global_batch, seed, process_index, process_count):
+    self.windows = windows
+    self.global_batch = global_batch
+    self.seed = seed % 2**32
+    self.local = global_batch // process_count
+    self.offset = process_index * self.local
+    self.steps_per_epoch = len(windows) // global_batch
+    self._epoch, self._order = -1, None
+
+  def order(self, epoch: int) -> np.ndarray:
+    """Shuffled window indices of an epoch, remainder dropped: [steps_per_epoch * global_batch]."""
+    if epoch != self._epoch:
+      perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))
+      self._epoch, self._order = epoch, perm[:self.steps_per_epoch * self.global_batch]
+    return self._order
+
+  def batch(self, epoch: int, position: int) -> np.ndarray:
+    """This process's contiguous share of global batch `position`: [local, seq_len + 1] int32."""
+    start = position * self.global_batch + self.offset
+    rows = self.order(epoch)[start:start + self.local]
+    return self.windows[rows].astype(np.int32)
+
+  def after(self, epoch: int, position: int) -> tuple[int, int]:
+    position += 1
+    return (epoch + 1, 0) if position == self.steps_per_epoch else (epoch, position)
+
+
+def _produce(plan: _Plan, epoch: int, position: int, out: queue.Queue, stop: threading.Event):
+  """Prefetch thread: fills `out` with (epoch, position, batch) in order until `stop` is set."""
+  def put(item) -> bool:
+    while not stop.is_set():
+      try:
+        out.put(item, timeout=0.05)
+        return True
+      except queue.Full:
+        pass
+    return False
+
+  while True:
+    try:
+      item = (epoch, position, plan.batch(epoch, position))
+    except BaseException as e:  # handed to the consumer, which re-raises it
+      put((epoch, position, e))
+      return
+    if not put(item):
+      return
+    epoch, position = plan.after(epoch, position)
+
+
+class BatchIterator:
+  """Endless batches [global_batch // process_count, seq_len + 1] int32, reshuffled every epoch.
+
+  Every process computes the same permutation from (seed, epoch) and takes rows
+  [pi * B / pc, (pi + 1) * B / pc) of each global batch, so hosts read disjoint windows.
+  state() counts batches handed out by next(), never those only prefetched.
+  """
+
+  def __init__(self, windows: np.ndarray, global_batch: int, seed: int, process_index: int = 0,
+               process_count: int = 1, prefetch: int = 2):
+    if windows.ndim != 2 or windows.shape[1] < 2:
+      raise ValueError(f"windows must have shape [N, seq_len + 1], got {windows.shape}")
+    if global_batch <= 0 or global_batch % process_count:
+      raise ValueError(f"global_batch={global_batch} must be a positive multiple of "
+                       f"process_count={process_count}")
+    if not 0 <= process_index < process_count:
+      raise ValueError(f"process_index={process_index} must be in [0, {process_count})")
+    if len(windows) < global_batch:
+      raise ValueError(f"the dataset has {len(windows)} windows of {windows.shape[1]} tokens, "
+                       f"fewer than one global batch of {global_batch}.")
+    self._plan = _Plan(windows, global_batch, seed, process_index, process_count)
+    self.prefetch = prefetch
+    self.epoch, self.position = 0, 0
+    self._thread = None
+    self._start()
+
+  @property
+  def steps_per_epoch(self) -> int:
+    return self._plan.steps_per_epoch
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> np.ndarray:
+    return self.next()
+
+  def next(self) -> np.ndarray:
+    """The next batch for this process: [global_batch // process_count, seq_len + 1] int32."""
+    if self._thread is None:
+      batch = self._plan.batch(self.epoch, self.position)
+    else:
+      epoch, position, batch = self._queue.get()
+      if isinstance(batch, BaseException):
+        self._stop()
+        raise batch
+      assert (epoch, position) == (self.epoch, self.position)
+    self.epoch, self.position = self._plan.after(self.epoch, self.position)
+    return batch
+
+  def state(self) -> dict:
+    """Where the next batch comes from: {'epoch': int, 'position': int} (plain ints)."""
+    return {"epoch": int(self.epoch), "position": int(self.position)}
+
+  def restore(self, state: dict) -> None:
+    """Continues exactly where the iterator that produced `state` would have."""
+    epoch, position = int(state["epoch"]), int(state["position"])
+    if epoch < 0 or not 0 <= position < self.steps_per_epoch:
+      raise ValueError(f"data state {state} does not fit {self.steps_per_epoch} batches per epoch")
+    self._stop()
+    self.epoch, self.position = epoch, position
+    self._start()
+
+  def close(self) -> None:
+    """Stops the prefetch thread; next() still works, without prefetching."""
+    self._stop()
+
+  def __del__(self):
+    self._stop()
+
+  def _start(self):
+    if self.prefetch <= 0:
+      return
+    self._queue = queue.Queue(maxsize=self.prefetch)
+    self._stop_event = threading.Event()
+    # The thread gets the plan, not self, so a dropped iterator can still be collected.
+    self._thread = threading.Thread(
+        target=_produce, name="jaxpar-prefetch", daemon=True,
+        args=(self._plan, self.epoch, self.position, self._queue, self._stop_event))
+    self._thread.start()
+
+  def _stop(self):
+    thread = getattr(self, "_thread", None)
+    if thread is None:
+      return
+    self._stop_event.set()
+    thread.join()
+    self._thread = None
+
+
+def make_batches(data_cfg, seq_len: int, global_batch: int, seed: int, workdir: str,
+                 process_index: int = 0, process_count: int = 1, split: str = "train",
+                 prefetch: int = 2) -> BatchIterator:
+  """Iterator over data_cfg.source: batches [global_batch // process_count, seq_len + 1] int32."""
+  if data_cfg.source == "synthetic":
+    windows = synthetic_windows(seq_len, seed + zlib.crc32(split.encode()))
+    what = "synthetic data"
+  elif data_cfg.source == "local_text":
+    from jaxpar.data import local_text  # imports TFDS, which synthetic data does not need
+    data_dir = data_cfg.data_dir or os.path.join(workdir, "data")
+    builder = local_text.prepare(data_dir, data_cfg.path, data_cfg.max_bytes)
+    windows = pack(local_text.read_texts(builder, split), seq_len)
+    what = f"local_text split {split!r} ({builder.builder_config.description})"
+  elif data_cfg.source == "tfds":
+    raise ValueError("data.source=tfds is not supported yet; use local_text or synthetic")
+  else:
+    raise ValueError(f"unknown data.source {data_cfg.source!r}; use local_text or synthetic")
+  if len(windows) < global_batch:
+    raise ValueError(f"{what} yields {len(windows)} windows of seq_len + 1 = {seq_len + 1} tokens, "
+                     f"fewer than one global batch of {global_batch}.")
+  return BatchIterator(windows, global_batch, seed, process_index, process_count, prefetch)

@@ -1,0 +1,156 @@
+"""`local_text`: a folder of text files as a TFDS dataset stored as array_record (no TensorFlow)."""
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+
+import tensorflow_datasets as tfds
+
+DEFAULT_MAX_BYTES = 8_000_000
+VALIDATION_EVERY = 50  # every 50th accepted file goes to `validation`
+# Installed packages live under the stdlib folder on many installs; they vary between machines.
+_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+
+
+def default_path() -> str:
+  """The running Python's standard library folder."""
+  return sysconfig.get_paths()["stdlib"]
+
+
+def _read_text(path: str) -> bytes | None:
+  """The file's bytes if they are non-empty UTF-8 text without NUL bytes, else None."""
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+  except OSError:
+    return None
+  # NUL is the loader's document separator, so files holding it (binaries) are skipped.
+  if not data or b"\0" in data:
+    return None
+  try:
+    data.decode("utf-8")
+  except UnicodeDecodeError:
+    return None
+  return data
+
+
+def _candidates(root: str, only_py: bool) -> list[str]:
+  """Paths relative to `root`, sorted, of the files worth reading; hidden files are skipped."""
+  out = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")]
+    for name in filenames:
+      if name.startswith(".") or (only_py and not name.endswith(".py")):
+        continue
+      full = os.path.join(dirpath, name)
+      if os.path.isfile(full):
+        out.append(os.path.relpath(full, root).replace(os.sep, "/"))
+  return sorted(out)
+
+
+def scan(root: str, only_py: bool, max_bytes: int) -> list[tuple[str, int]]:
+  """(relative path, bytes kept) of the accepted files in path order, at most max_bytes in all."""
+  kept, total = [], 0
+  for rel in _candidates(root, only_py):
+    data = _read_text(os.path.join(root, rel))
+    if data is None:
+      continue
+    if max_bytes and total + len(data) >= max_bytes:
+      n = len(_truncate(data, max_bytes - total))
+      if n:
+        kept.append((rel, n))
+      break
+    kept.append((rel, len(data)))
+    total += len(data)
+  return kept
+
+
+def _truncate(data: bytes, n: int) -> bytes:
+  """The first n bytes, less a UTF-8 character cut in half at the end."""
+  return data[:n].decode("utf-8", errors="ignore").encode("utf-8")
+
+
+class LocalTextConfig(tfds.core.BuilderConfig):
+  """Folder and byte cap; the name hashes both so each pair gets its own dataset dir."""
+
+  def __init__(self, *, path: str = "", max_bytes: int = DEFAULT_MAX_BYTES):
+    self.only_py = not path
+    self.root = os.path.realpath(path or default_path())
+    self.max_bytes = int(max_bytes)
+    key = f"{int(self.only_py)}\0{self.root}\0{self.max_bytes}".encode()
+    digest = hashlib.sha256(key).hexdigest()[:12]
+    super().__init__(
+        name=f"{'stdlib' if self.only_py else 'dir'}_{digest}",
+        description=f"{'*.py files' if self.only_py else 'text files'} under {self.root}, "
+                    f"max_bytes={self.max_bytes or 'unlimited'}")
+
+
+class LocalText(tfds.core.GeneratorBasedBuilder):
+  """Text files under a folder, one example {'text': bytes} per file; splits train/validation."""
+
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {"1.0.0": "First version."}
+
+  def __init__(self, *, path: str = "", max_bytes: int = DEFAULT_MAX_BYTES,
+               config: LocalTextConfig | None = None, **kwargs):
+    kwargs.setdefault("file_format", "array_record")
+    super().__init__(config=config or LocalTextConfig(path=path, max_bytes=max_bytes), **kwargs)
+
+  @tfds.core.utils.classproperty
+  @classmethod
+  def code_path(cls):
+    # TFDS only uses it to find download checksums, which a local folder has none of; its default
+    # needs the `importlib_resources` backport for builders defined inside a package.
+    return None
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    # A builder outside a dataset package must pass itself: there is no metadata folder to find.
+    return tfds.core.DatasetInfo(
+        builder=self,
+        description="Text files from a local folder, one example per file.",
+        features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
+    )
+
+  def _split_generators(self, dl_manager):
+    cfg = self.builder_config
+    if not os.path.isdir(cfg.root):
+      raise ValueError(f"local_text folder {cfg.root} does not exist")
+    files = scan(cfg.root, cfg.only_py, cfg.max_bytes)
+    if not files:
+      raise ValueError(f"local_text folder {cfg.root} holds no readable text files")
+    val = [f for i, f in enumerate(files) if i % VALIDATION_EVERY == VALIDATION_EVERY - 1]
+    train = [f for i, f in enumerate(files) if i % VALIDATION_EVERY != VALIDATION_EVERY - 1]
+    splits = {"train": self._generate_examples(train)}
+    if val:  # TFDS refuses an empty split, so small folders have `train` only
+      splits["validation"] = self._generate_examples(val)
+    return splits
+
+  def _generate_examples(self, files):
+    root = self.builder_config.root
+    for rel, n in files:
+      data = _read_text(os.path.join(root, rel)) or b""
+      yield rel, {"text": _truncate(data, n) if n < len(data) else data}
+
+
+def prepare(data_dir: str, path: str = "", max_bytes: int = DEFAULT_MAX_BYTES) -> LocalText:
+  """The builder for (path, max_bytes) under data_dir, built on first use and reused after."""
+  builder = LocalText(path=path, max_bytes=max_bytes, data_dir=data_dir)
+  if not builder.is_prepared():
+    try:
+      builder.download_and_prepare(file_format="array_record")
+    except FileExistsError:
+      # Another process sharing data_dir finished the same build first; its copy is identical.
+      builder = LocalText(path=path, max_bytes=max_bytes, data_dir=data_dir)
+      if not builder.is_prepared():
+        raise
+  return builder
+
+
+def read_texts(builder: LocalText, split: str = "train") -> list[bytes]:
+  """All documents of a prepared split, in stored order, through random access (no TensorFlow)."""
+  if split not in builder.info.splits:
+    raise ValueError(f"local_text has no split {split!r} (has {', '.join(builder.info.splits)}); "
+                     f"a folder needs {VALIDATION_EVERY} files for a validation split")
+  source = builder.as_data_source(split=split)
+  return [ex["text"] for ex in source.__getitems__(range(len(source)))]

@@ -1,0 +1,285 @@
+"""Training-loop logging: JSONL metrics, TensorBoard scalars, a progress bar and MFU arithmetic.
+
+Only the main process writes. Files and the TensorBoard writer are created on the first line
+written, so a run that fails during setup leaves nothing behind, and every line is flushed, so an
+interrupted run leaves only complete lines.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Datasheet dense (no sparsity) bf16 tensor-core peaks per device, in FLOP/s. Matched as
+# substrings of the lower-cased `device_kind`, first match wins, so longer names come first
+# ("h100 pcie" before "h100", "l40s" before "l40" before "l4").
+_DATASHEET_BF16 = (
+  ("gb200", 2.5e15),
+  ("b200", 2.25e15),
+  ("b100", 1.75e15),
+  ("h200 nvl", 835e12),
+  ("h200", 989e12),  # also GH200
+  ("h100 pcie", 756e12),
+  ("h100 nvl", 835e12),
+  ("h100", 989e12),  # SXM, e.g. "NVIDIA H100 80GB HBM3"
+  ("h800", 989e12),
+  ("a100", 312e12),
+  ("a800", 312e12),
+  ("l40s", 362e12),
+  ("l40", 181e12),
+  ("l4", 121e12),
+  ("v100", 125e12),  # no bf16: fp16 tensor-core peak
+  ("tesla t4", 65e12),  # no bf16: fp16 tensor-core peak
+  ("mi300x", 1307e12),
+)
+
+_PEAK_CACHE: dict[tuple[str, str, int], tuple[float, str]] = {}
+
+
+def model_flops_per_token(n_params_nonembedding: int, n_layers: int, d_model: int,
+                          seq_len: int) -> float:
+  """Training FLOPs per token: 6N (weight matmuls, fwd+bwd) + 12·L·d·T (attention, PaLM)."""
+  return 6.0 * n_params_nonembedding + 12.0 * n_layers * d_model * seq_len
+
+
+def mfu(tokens_per_sec: float, flops_per_token: float, peak_flops_per_device: float,
+        n_devices: int) -> float:
+  """Model FLOPs utilization in [0, 1]: achieved model FLOP/s over the peak of all devices."""
+  return tokens_per_sec * flops_per_token / (peak_flops_per_device * n_devices)
+
+
+def _best_matmul_flops(device: Any, n: int, dtype: Any, repeats: int) -> float:
+  """Best FLOP/s of an n×n @ n×n matmul on `device` over `repeats` timed runs after a warm-up."""
+  a = jax.device_put(jnp.ones((n, n), dtype), device)
+  b = jax.device_put(jnp.ones((n, n), dtype), device)
+  matmul = jax.jit(jnp.matmul)
+  matmul(a, b).block_until_ready()  # compile and warm caches outside the timing
+  best = math.inf
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    matmul(a, b).block_until_ready()
+    best = min(best, time.perf_counter() - t0)
+  return 2.0 * n ** 3 / best
+
+
+def peak_flops_per_device() -> tuple[float, str]:
+  """(peak FLOP/s of one local device, where the number came from); measured once per process.
+
+  GPUs use the datasheet dense bf16 peak for their `device_kind`; unknown accelerators are
+  measured with a bf16 matmul. On CPU the host peak is measured with an fp32 1024³ matmul on one
+  device (XLA:CPU spreads it over all cores) and divided by the number of local CPU devices,
+  because simulated devices (--xla_force_host_platform_device_count) share those cores.
+  """
+  device = jax.local_devices()[0]
+  n_local = len(jax.local_devices(backend=device.platform))
+  key = (device.platform, device.device_kind, n_local)
+  if key in _PEAK_CACHE:
+    return _PEAK_CACHE[key]
+  kind = device.device_kind
+  if device.platform == "cpu":
+    host = _best_matmul_flops(device, 1024, jnp.float32, repeats=5)
+    peak = host / n_local
+    devices = f"{n_local} local device" + ("s" if n_local > 1 else "")
+    source = (f"measured fp32 matmul peak of this CPU host ({host / 1e9:.1f} GFLOP/s) divided "
+              f"among {devices}: {peak / 1e9:.1f} GFLOP/s per device")
+  else:
+    lowered = kind.lower()
+    match = next(((name, v) for name, v in _DATASHEET_BF16 if name in lowered), None)
+    if match is not None:
+      peak = match[1]
+      source = f"datasheet dense bf16 peak of {kind}: {peak / 1e12:.0f} TFLOP/s"
+    else:
+      peak = _best_matmul_flops(device, 8192, jnp.bfloat16, repeats=10)
+      source = f"measured bf16 matmul peak of this {kind}: {peak / 1e12:.1f} TFLOP/s"
+  _PEAK_CACHE[key] = (peak, source)
+  return peak, source
+
+
+def device_peak_memory_bytes() -> int | None:
+  """Largest `peak_bytes_in_use` over local devices; None where the backend keeps no stats (CPU)."""
+  peaks = []
+  for d in jax.local_devices():
+    try:
+      stats = d.memory_stats()
+    except Exception:  # backends without allocator stats may raise instead of returning None
+      stats = None
+    if stats and "peak_bytes_in_use" in stats:
+      peaks.append(int(stats["peak_bytes_in_use"]))
+  return max(peaks) if peaks else None
+
+
+def _plain(value: Any) -> Any:
+  """JSON-ready copy: numpy/jax scalars become int/float/bool, non-finite floats become None."""
+  if value is None or isinstance(value, str):
+    return value
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  if isinstance(value, (int, np.integer)):
+    return int(value)
+  if isinstance(value, (float, np.floating)):
+    f = float(value)
+    return f if math.isfinite(f) else None  # strict JSON has no NaN/Infinity
+  if isinstance(value, dict):
+    return {str(k): _plain(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_plain(v) for v in value]
+  if hasattr(value, "item") and getattr(value, "size", 1) == 1:
+    return _plain(value.item())
+  return str(value)
+
+
+def _scalars(prefix: str, value: Any) -> list[tuple[str, float]]:
+  """(tag, number) pairs of a possibly nested metric value; nested keys are joined with '/'."""
+  if isinstance(value, dict):
+    out = []
+    for k, v in value.items():
+      out.extend(_scalars(f"{prefix}/{k}", v))
+    return out
+  if isinstance(value, (bool, np.bool_)) or isinstance(value, str) or value is None:
+    return []
+  if isinstance(value, (int, float, np.integer, np.floating)):
+    return [(prefix, float(value))]
+  if hasattr(value, "item") and getattr(value, "size", 1) == 1:
+    return _scalars(prefix, value.item())
+  return []
+
+
+def _human_flops(f: float) -> str:
+  for scale, unit in ((1e15, "PFLOP/s"), (1e12, "TFLOP/s"), (1e9, "GFLOP/s")):
+    if f >= scale:
+      return f"{f / scale:.4g} {unit}"
+  return f"{f / 1e6:.4g} MFLOP/s"
+
+
+def _human_bytes(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if abs(n) < 1024 or unit == "TiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    n /= 1024
+  return f"{n:.2f} TiB"
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+  """Multi-line human-readable summary of a run; known keys are spelled out, the rest listed."""
+  s = _plain(summary)
+  lines = []
+  if s.get("steps") is not None:
+    lines.append(f"steps: {s['steps']}")
+  if s.get("tokens_per_sec") is not None:
+    lines.append(f"tokens/s: {s['tokens_per_sec']:,.0f}")
+  if s.get("mfu") is not None:
+    line = f"MFU: {100 * s['mfu']:.2f}%"
+    if s.get("peak_flops_per_device") is not None:
+      line += f" of {_human_flops(s['peak_flops_per_device'])} per device"
+    if s.get("peak_flops_source"):
+      line += f" ({s['peak_flops_source']})"
+    lines.append(line)
+  if "peak_memory_bytes" in s:
+    mem = s["peak_memory_bytes"]
+    lines.append("peak memory per device: "
+                 + ("not reported by this backend" if mem is None else _human_bytes(mem)))
+  known = {"steps", "tokens_per_sec", "mfu", "peak_flops_per_device", "peak_flops_source",
+           "peak_memory_bytes", "final"}
+  for k, v in s.items():
+    if k not in known:
+      lines.append(f"{k}: {v:.6g}" if isinstance(v, float) else f"{k}: {v}")
+  return "\n".join(lines)
+
+
+class MetricsLogger:
+  """Writes metrics as JSON lines, TensorBoard scalars and a tqdm progress bar.
+
+  `log(step, metrics)` takes `step` as the number of completed steps. The bar shows `loss` and
+  `tokens_per_sec` when those keys are present. `final(summary)` understands the keys `steps`,
+  `tokens_per_sec`, `mfu`, `peak_flops_per_device`, `peak_flops_source` and `peak_memory_bytes`.
+  """
+
+  def __init__(self, workdir: str | None, metrics_file: str | None, total_steps: int,
+               is_main: bool = True, use_tensorboard: bool = True, progress: bool = True):
+    self.workdir = workdir
+    self.metrics_file = metrics_file
+    self.total_steps = total_steps
+    self.is_main = is_main
+    self.use_tensorboard = use_tensorboard and workdir is not None
+    self.progress = progress
+    self._file = None
+    self._writer = None
+    self._bar = None
+    self._closed = False
+
+  def _write_line(self, record: dict[str, Any]) -> None:
+    if not self.metrics_file:
+      return
+    if self._file is None:
+      parent = os.path.dirname(os.path.abspath(self.metrics_file))
+      os.makedirs(parent, exist_ok=True)
+      self._file = open(self.metrics_file, "a", encoding="utf-8")
+    self._file.write(json.dumps(_plain(record), allow_nan=False) + "\n")
+    self._file.flush()
+
+  def _tensorboard(self):
+    if self._writer is None and self.use_tensorboard:
+      from tensorboardX import SummaryWriter  # imported late: only the main process needs it
+      self._writer = SummaryWriter(logdir=os.path.join(self.workdir, "tb"))
+    return self._writer
+
+  def _progress_bar(self):
+    if self._bar is None and self.progress:
+      from tqdm.auto import tqdm
+      self._bar = tqdm(total=self.total_steps, unit="step", dynamic_ncols=True)
+    return self._bar
+
+  def log(self, step: int, metrics: dict[str, Any]) -> None:
+    """Records `metrics` (name -> scalar) after `step` completed steps."""
+    if not self.is_main or self._closed:
+      return
+    step = int(step)
+    self._write_line({"step": step, **metrics})
+    writer = self._tensorboard()
+    if writer is not None:
+      for name, value in metrics.items():
+        for tag, number in _scalars(name, value):
+          writer.add_scalar(tag, number, global_step=step)
+      writer.flush()
+    bar = self._progress_bar()
+    if bar is not None:
+      bar.update(max(0, step - bar.n))
+      postfix = {}
+      if _plain(metrics.get("loss")) is not None:
+        postfix["loss"] = f"{float(_plain(metrics['loss'])):.4f}"
+      if _plain(metrics.get("tokens_per_sec")) is not None:
+        postfix["tok/s"] = f"{float(_plain(metrics['tokens_per_sec'])):,.0f}"
+      if postfix:
+        bar.set_postfix(postfix, refresh=False)
+      bar.refresh()
+
+  def final(self, summary: dict[str, Any]) -> str:
+    """Writes the `"final": true` line, closes everything and returns the summary as text."""
+    if self.is_main and not self._closed:
+      self._write_line({"final": True, **summary})
+    self.close()
+    return format_summary(summary)
+
+  def close(self) -> None:
+    """Closes the bar, the TensorBoard writer and the metrics file; later calls do nothing."""
+    if self._closed:
+      return
+    self._closed = True
+    if self._bar is not None:
+      self._bar.close()
+    if self._writer is not None:
+      self._writer.close()
+    if self._file is not None:
+      self._file.close()
+
+  def __enter__(self) -> MetricsLogger:
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()

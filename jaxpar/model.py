@@ -1,0 +1,123 @@
+"""What the trainer needs from a model, and adapters from Flax NNX and Flax Linen modules.
+
+A `ModelDef` is pure: `init(key) -> params` (a plain nested dict of arrays), `loss(params, batch,
+...)`, and the logical axes of every parameter. jaxpar's own models and a user's Flax module
+reach the trainer the same way, so the rules, ZeRO and the step treat them alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar import rules, zero
+
+# loss_fn(outputs, batch) -> (scalar loss, dict of scalar metrics)
+LossFn = Callable[[Any, dict], tuple[jax.Array, dict]]
+
+
+@dataclass(frozen=True)
+class ModelDef:
+  """init(key) -> params; loss(params, batch, dtype, dims, manual) -> (loss, metrics); logical axes."""
+  init: Callable[[jax.Array], Any]
+  loss: Callable[..., tuple[jax.Array, dict]]
+  logical: Any  # same tree as params; each leaf a tuple of logical axis names (or None)
+  abstract: Any  # same tree; jax.ShapeDtypeStruct leaves
+  tokens_per_example: int = 0  # for tokens/s; 0 = not a sequence model
+  flops_per_example: float = 0.0  # training FLOPs of one example (MFU); 0 = unknown
+
+
+def _cast(params, dtype):
+  return jax.tree_util.tree_map(
+      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+def _logical_from(abstract, annotated, path_rules):
+  """Per leaf: the annotation when the model gave one, else the first matching path rule."""
+  def one(path, leaf, names):
+    if names is not None:
+      if len(names) != len(leaf.shape):
+        raise ValueError(f"parameter {rules.path_str(path)} of shape {tuple(leaf.shape)} is "
+                         f"annotated with {len(names)} axes {tuple(names)}")
+      return tuple(names)
+    return rules.match_path(rules.path_str(path), leaf.shape, path_rules)
+  return jax.tree_util.tree_map_with_path(one, abstract, annotated,
+                                          is_leaf=lambda x: x is None or isinstance(x, tuple))
+
+
+def from_nnx(factory: Callable[..., Any], loss_fn: LossFn, input_key: str = "x",
+             path_rules: Iterable[tuple[str, tuple]] = ()) -> ModelDef:
+  """A Flax NNX model. factory(rngs) -> module; module(batch[input_key]) -> outputs.
+
+  Parameters annotated with `nnx.with_partitioning(init, axes)` (or `sharding_names=`) use those
+  logical axes; the others are matched by `path_rules`. Only `nnx.Param` state is supported.
+  """
+  from flax import nnx
+  with nnx.use_eager_sharding(False):
+    module = nnx.eval_shape(lambda: factory(nnx.Rngs(0)))
+  graphdef, state, rest = nnx.split(module, nnx.Param, ...)
+  if jax.tree_util.tree_leaves(rest):
+    raise ValueError("from_nnx supports models whose state is nnx.Param only; found other state: "
+                     + ", ".join(rules.path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(rest)))
+  abstract = nnx.to_pure_dict(state)
+
+  def names(var):
+    meta = var.get_metadata()
+    axes = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
+    return tuple(axes) if axes else None
+  annotated = nnx.to_pure_dict(jax.tree_util.tree_map(names, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+  logical = _logical_from(abstract, annotated, tuple(path_rules))
+
+  def init(key):
+    with nnx.use_eager_sharding(False):
+      return nnx.to_pure_dict(nnx.state(factory(nnx.Rngs(key)), nnx.Param))
+
+  def loss(params, batch, dtype=jnp.float32, dims=None, manual=frozenset()):
+    params = _cast(zero.gather(params, dims), dtype)
+    return loss_fn(nnx.merge(graphdef, params)(batch[input_key].astype(dtype)
+                                               if jnp.issubdtype(batch[input_key].dtype, jnp.floating)
+                                               else batch[input_key]), batch)
+  return ModelDef(init=init, loss=loss, logical=logical, abstract=abstract)
+
+
+def from_linen(module: Any, example_input: Any, loss_fn: LossFn, input_key: str = "x",
+               path_rules: Iterable[tuple[str, tuple]] = ()) -> ModelDef:
+  """A Flax Linen model. module.apply({'params': p}, batch[input_key]) -> outputs.
+
+  Parameters created with `nn.with_logical_partitioning(init, axes)` use those logical axes; the
+  others are matched by `path_rules`.
+  """
+  import flax.linen as nn
+  boxed = jax.eval_shape(lambda: module.init(jax.random.key(0), example_input))["params"]
+  is_box = lambda x: isinstance(x, nn.Partitioned)
+  annotated = jax.tree_util.tree_map(lambda x: tuple(x.names) if is_box(x) else None, boxed,
+                                     is_leaf=is_box)
+  abstract = nn.unbox(boxed)
+  logical = _logical_from(abstract, annotated, tuple(path_rules))
+
+  def init(key):
+    return nn.unbox(module.init(key, example_input)["params"])
+
+  def loss(params, batch, dtype=jnp.float32, dims=None, manual=frozenset()):
+    params = _cast(zero.gather(params, dims), dtype)
+    x = batch[input_key]
+    x = x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    return loss_fn(module.apply({"params": params}, x), batch)
+  return ModelDef(init=init, loss=loss, logical=logical, abstract=abstract)
+
+
+def gpt(cfg, param_dtype=jnp.float32, remat: bool = False) -> ModelDef:
+  """jaxpar's decoder (models/gpt.py): ZeRO-3 gathers one layer at a time inside the scan."""
+  from jaxpar.models import gpt as g
+  mc = cfg.model
+  base = from_nnx(lambda rngs: g.GPT(mc, rngs=rngs, param_dtype=param_dtype),
+                  loss_fn=lambda out, batch: (out, {}))
+
+  def loss(params, batch, dtype=jnp.float32, dims=None, manual=frozenset()):
+    return g.loss(params, batch, mc, dtype, dims, remat, manual)
+  # DESIGN's model FLOPs per token: 6 N_nonembedding + 12 L D T (causal attention counted in full)
+  flops_tok = 6 * g.n_params_nonembedding(mc) + 12 * mc.n_layers * mc.d_model * mc.seq_len
+  return ModelDef(init=base.init, loss=loss, logical=base.logical, abstract=base.abstract,
+                  tokens_per_example=mc.seq_len, flops_per_example=flops_tok * mc.seq_len)

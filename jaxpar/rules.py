@@ -1,0 +1,117 @@
+"""Logical axis names -> mesh axes: the one table every strategy goes through.
+
+Models name logical axes only (`batch, seq, embed, heads, kv, mlp, vocab, layers`). `RULES` maps
+them to mesh axes; Megatron tensor parallelism is the `heads`/`mlp`/`vocab` -> `model` rows
+(column-parallel where the axis is a kernel's output, row-parallel where it is the input).
+Models without annotations are covered by ordered regex rules on parameter paths that yield
+logical axes; first match wins, and a parameter no rule covers is an error.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Sequence
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.config import ConfigError
+
+LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv", "mlp", "vocab", "layers")
+
+# logical axis -> mesh axis (None = replicated). Order matters only for readability.
+RULES: tuple[tuple[str, str | None], ...] = (
+    ("batch", "data"),
+    ("heads", "model"),  # q/k/v column-parallel, attention-out row-parallel
+    ("mlp", "model"),  # MLP-in column-parallel, MLP-out row-parallel
+    ("vocab", "model"),  # vocab-parallel embedding and LM head
+    ("embed", None),
+    ("kv", None),
+    ("seq", None),
+    ("layers", None),  # the scanned layer axis; the pipeline views it as [stages, ...]
+)
+
+Logical = tuple[str | None, ...]
+
+
+def rules_for(sequence_parallel: bool = False) -> tuple[tuple[str, str | None], ...]:
+  """The table for a parallel config; sequence parallel shards `seq` activations over `model`."""
+  if not sequence_parallel:
+    return RULES
+  return tuple((k, "model") if k == "seq" else (k, v) for k, v in RULES)
+
+
+def to_mesh(logical: Logical, rules=RULES) -> P:
+  """('batch', 'seq', 'embed') -> P('data', None, None). Unknown names are an error."""
+  table = dict(rules)
+  out = []
+  for name in logical:
+    if name is None:
+      out.append(None)
+    elif name in table:
+      out.append(table[name])
+    else:
+      raise ValueError(f"logical axis {name!r} has no rule (known: {', '.join(table)})")
+  return P(*out)
+
+
+def path_str(path) -> str:
+  """A jax key path as 'a/b/c' (what the regex rules match against)."""
+  parts = []
+  for k in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return "/".join(p for p in parts if p != "value")
+
+
+def match_path(path: str, shape: Sequence[int], path_rules: Iterable[tuple[str, Logical]]) -> Logical:
+  """First regex (re.search) that matches `path` gives its logical axes; none is an error."""
+  for pattern, logical in path_rules:
+    if re.search(pattern, path):
+      if len(logical) != len(shape):
+        raise ValueError(f"rule {pattern!r} gives {len(logical)} axes {logical} to parameter "
+                         f"{path} of shape {tuple(shape)}")
+      return tuple(logical)
+  raise ValueError(f"no partition rule covers parameter {path} of shape {tuple(shape)}; "
+                   f"annotate it with logical axes or add a (regex, axes) rule for it")
+
+
+def check_divisible(path: str, shape: Sequence[int], spec: P, mesh) -> None:
+  """Each sharded dimension must divide evenly by the product of its mesh axes."""
+  for dim, axes in zip(shape, spec):
+    if axes is None:
+      continue
+    names = axes if isinstance(axes, tuple) else (axes,)
+    size = 1
+    for a in names:
+      size *= mesh.shape[a]
+    if dim % size:
+      raise ConfigError(f"parameter {path} of shape {tuple(shape)}: dimension {dim} is not "
+                        f"divisible by {'x'.join(names)}={size}")
+
+
+def param_specs(abstract: Any, logical: Any, mesh, rules=RULES) -> Any:
+  """Trees of ShapeDtypeStruct and logical axes -> tree of mesh PartitionSpecs, checked."""
+  def one(path, leaf, axes):
+    spec = to_mesh(axes, rules)
+    check_divisible(path_str(path), leaf.shape, spec, mesh)
+    return spec
+  return jax.tree_util.tree_map_with_path(one, abstract, logical,
+                                          is_leaf=lambda x: isinstance(x, tuple))
+
+
+def constrain(x: jax.Array, logical: Logical, rules=RULES, manual: frozenset = frozenset()) -> jax.Array:
+  """Activation sharding constraint by logical names; mesh axes in `manual` are left out.
+
+  Inside a `shard_map` that is manual over some axes, those axes are already split by hand, so
+  the constraint may only speak of the automatic ones.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  spec = to_mesh(logical, rules)
+  spec = P(*(None if a in manual else a for a in spec))
+  return jax.lax.with_sharding_constraint(x, spec)

@@ -1,0 +1,130 @@
+"""ZeRO stages 0-3 and optimizer offload, as a transformation of the rules' PartitionSpecs.
+
+Stage 0 replicates everything over `data` (DDP). Stage 1 shards optimizer state, stage 2 also
+gradients, stage 3 also parameters. A leaf is sharded over `data` on its largest dimension that
+the rules left free and that `data` divides; the scanned `layers` axis is never chosen, because
+the layer scan slices it and each device must hold its slice of every layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+DATA = "data"
+
+
+def zero_dim(shape, spec: P, logical, n_data: int) -> int:
+  """The dimension that gets `data` (largest free, divisible), or -1 if there is none."""
+  if n_data == 1:
+    return -1
+  best = -1
+  for i, dim in enumerate(shape):
+    axes = spec[i] if i < len(spec) else None
+    if axes is not None or (logical and logical[i] == "layers") or dim % n_data:
+      continue
+    if best < 0 or dim > shape[best]:
+      best = i
+  return best
+
+
+def add_data(spec: P, ndim: int, dim: int) -> P:
+  """`spec` with `data` on dimension `dim` (unchanged when dim < 0)."""
+  if dim < 0:
+    return spec
+  parts = list(spec) + [None] * (ndim - len(spec))
+  parts[dim] = DATA
+  return P(*parts)
+
+
+@dataclass(frozen=True)
+class Layout:
+  """PartitionSpecs of params, grads and (per param leaf) optimizer state, plus the ZeRO dims.
+
+  `dims` holds, per parameter, the dimension that `data` shards (-1: the leaf stays replicated);
+  `param_dims` is `dims` where stage 3 shards parameters, else None.
+  """
+  params: Any
+  grads: Any
+  opt: Any
+  dims: Any
+  param_dims: Any | None
+  stage: int
+
+
+def layout(abstract: Any, specs: Any, logical: Any, mesh, stage: int) -> Layout:
+  """Shardings of params / grads / optimizer state for a ZeRO stage, from the rules' specs."""
+  n = mesh.shape[DATA]
+  is_spec = lambda x: isinstance(x, P)
+  dims = jax.tree_util.tree_map(
+      lambda a, s, l: zero_dim(a.shape, s, l, n), abstract, specs, logical,
+      is_leaf=lambda x: isinstance(x, tuple) and not is_spec(x))
+  sharded = jax.tree_util.tree_map(
+      lambda a, s, d: add_data(s, len(a.shape), d), abstract, specs, dims,
+      is_leaf=is_spec)
+  pick = lambda on: sharded if on else specs
+  return Layout(params=pick(stage >= 3), grads=pick(stage >= 2), opt=pick(stage >= 1),
+                dims=dims, param_dims=dims if stage >= 3 else None, stage=stage)
+
+
+def opt_state_specs(opt_abstract: Any, params_abstract: Any, param_opt_specs: Any) -> Any:
+  """Specs for an optax state: leaves shaped like a parameter follow it, the rest replicate.
+
+  optax states hold per-parameter trees (mu, nu) beside scalars (count); matching by tree
+  structure keeps this independent of which optax transformations are chained.
+  """
+  params_def = jax.tree_util.tree_structure(params_abstract)
+  param_specs = jax.tree_util.tree_leaves(param_opt_specs, is_leaf=lambda x: isinstance(x, P))
+
+  def is_param_tree(x):
+    return jax.tree_util.tree_structure(x) == params_def and params_def.num_leaves > 0
+
+  def one(x):
+    if is_param_tree(x):
+      return jax.tree_util.tree_unflatten(params_def, param_specs)
+    return jax.tree_util.tree_map(lambda _: P(), x)
+
+  return jax.tree_util.tree_map(one, opt_abstract, is_leaf=is_param_tree)
+
+
+def named(mesh, specs: Any, memory_kind: str | None = None) -> Any:
+  """PartitionSpecs -> NamedShardings on `mesh` (optionally in host memory)."""
+  return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s, memory_kind=memory_kind),
+                                specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def gather(tree: Any, dims: Any | None) -> Any:
+  """Inside a shard_map manual over `data`: all-gather each leaf along its ZeRO dim.
+
+  Autodiff turns each all-gather into a reduce-scatter, so stage-3 gradients come out summed over
+  `data` and already sharded.
+  """
+  if dims is None:
+    return tree
+  return jax.tree_util.tree_map(
+      lambda x, d: x if d < 0 else jax.lax.all_gather(x, DATA, axis=d, tiled=True), tree, dims)
+
+
+def shift(dims: Any, by: int = -1) -> Any:
+  """ZeRO dims of a stacked tree as seen by one slice of its leading axis."""
+  if dims is None:
+    return None
+  return jax.tree_util.tree_map(lambda d: d if d < 0 else d + by, dims)
+
+
+def scatter_mean(grads: Any, dims: Any, scatter: bool) -> Any:
+  """Inside a shard_map manual over `data`: mean of local grads over `data`.
+
+  With `scatter`, leaves with a ZeRO dim are reduce-scattered onto it (ZeRO-2), the rest
+  all-reduced; without, everything is all-reduced (DDP, ZeRO-1).
+  """
+  n = jax.lax.axis_size(DATA)
+
+  def one(g, d):
+    if scatter and d >= 0:
+      return jax.lax.psum_scatter(g, DATA, scatter_dimension=d, tiled=True) / n
+    return jax.lax.psum(g, DATA) / n
+  return jax.tree_util.tree_map(one, grads, dims)

@@ -1,0 +1,194 @@
+"""jaxpar.data: the local_text TFDS builder, packing and the resumable batch iterator (no JAX)."""
+import os
+
+import numpy as np
+import pytest
+
+from jaxpar.config import DataConfig
+from jaxpar.data import BatchIterator, inputs_targets, local_text, make_batches, pack
+
+DOCS = {
+    "a.txt": "alpha line\n",
+    "sub/b.md": "# beta\nwith unicode: é ✓\n",
+    "sub/deeper/c.py": "print('gamma')\n" * 40,
+    "z.txt": "zeta " * 300,
+}
+
+
+def _write_folder(root, docs):
+  for rel, text in docs.items():
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+
+
+@pytest.fixture
+def text_dir(tmp_path):
+  root = tmp_path / "src"
+  _write_folder(root, DOCS)
+  (root / "blob.bin").write_bytes(b"\x7fELF\x00\x01binary")  # NUL: binary, skipped
+  (root / "latin1.txt").write_bytes(b"caf\xe9\n")  # not UTF-8, skipped
+  (root / "empty.txt").write_bytes(b"")
+  (root / ".hidden").write_text("secret")
+  return root
+
+
+def _ids(n, seq_len=7):
+  """Windows whose first column is the row index, so batches can be traced back to rows."""
+  w = np.zeros((n, seq_len + 1), np.int32)
+  w[:, 0] = np.arange(n)
+  return w
+
+
+def _take(it, n):
+  return [it.next() for _ in range(n)]
+
+
+def test_local_text_round_trip(text_dir, tmp_path):
+  builder = local_text.prepare(str(tmp_path / "data"), str(text_dir), max_bytes=0)
+  texts = local_text.read_texts(builder, "train")
+  assert sorted(texts) == sorted(t.encode() for t in DOCS.values())
+  assert builder.data_path.is_relative_to(tmp_path / "data" / "local_text")
+  assert any(f.name.endswith(".array_record-00000-of-00001") for f in builder.data_path.iterdir())
+  with pytest.raises(ValueError, match="no split 'validation'"):
+    local_text.read_texts(builder, "validation")  # under 50 files: train only
+
+
+def test_local_text_cap_and_validation_split(tmp_path):
+  root = tmp_path / "many"
+  _write_folder(root, {f"f{i:03d}.txt": f"{i:03d}é" * 10 for i in range(120)})  # 50 bytes each
+  builder = local_text.prepare(str(tmp_path / "data"), str(root), max_bytes=60 * 50 + 4)
+  train, val = local_text.read_texts(builder, "train"), local_text.read_texts(builder, "validation")
+  assert len(train) + len(val) == 61 and len(val) == 1
+  assert val == [("049é" * 10).encode()]
+  # The 61st file is cut at the cap, less the half of 'é' that does not fit.
+  assert b"060" in train
+  assert sum(map(len, train + val)) == 60 * 50 + 3
+
+
+def test_config_name_depends_on_folder_and_cap(tmp_path):
+  names = {local_text.LocalTextConfig(path=str(p), max_bytes=m).name
+           for p in (tmp_path / "a", tmp_path / "b") for m in (0, 100)}
+  assert len(names) == 4
+  assert local_text.LocalTextConfig(path="", max_bytes=5).name.startswith("stdlib_")
+  assert (local_text.LocalTextConfig(path=str(tmp_path), max_bytes=5).name
+          == local_text.LocalTextConfig(path=str(tmp_path) + "/", max_bytes=5).name)
+
+
+def test_second_make_batches_reuses_the_build(text_dir, tmp_path, monkeypatch):
+  calls = []
+  generate = local_text.LocalText._generate_examples
+  monkeypatch.setattr(local_text.LocalText, "_generate_examples",
+                      lambda self, files: calls.append(files) or generate(self, files))
+  cfg = DataConfig(source="local_text", path=str(text_dir), max_bytes=0)
+  first = make_batches(cfg, seq_len=15, global_batch=4, seed=0, workdir=str(tmp_path))
+  assert len(calls) == 1
+  second = make_batches(cfg, seq_len=15, global_batch=4, seed=0, workdir=str(tmp_path))
+  assert len(calls) == 1
+  assert os.path.isdir(tmp_path / "data" / "local_text")  # data_dir "" = <workdir>/data
+  np.testing.assert_array_equal(_take(first, 5), _take(second, 5))
+
+
+def test_pack_shapes_and_shift():
+  w = pack([b"abc", "dé"], seq_len=3)  # stream: a b c \0 d \xc3 \xa9 \0 (8 bytes -> 2 windows)
+  assert w.shape == (2, 4) and w.dtype == np.uint8
+  assert bytes(w.reshape(-1)) == b"abc\0d\xc3\xa9\0"
+  inputs, targets = inputs_targets(w)
+  assert inputs.shape == targets.shape == (2, 3)
+  np.testing.assert_array_equal(inputs[:, 1:], targets[:, :-1])
+  assert pack([b"abcdefghij"], seq_len=4).shape == (2, 5)  # the short tail is dropped
+
+
+def test_batches_are_windows_of_the_document_stream(text_dir, tmp_path):
+  it = make_batches(DataConfig(source="local_text", path=str(text_dir), max_bytes=0), seq_len=15,
+                    global_batch=4, seed=3, workdir=str(tmp_path), prefetch=0)
+  batch = it.next()
+  assert batch.shape == (4, 16) and batch.dtype == np.int32
+  stream = b"".join(t + b"\0" for t in local_text.read_texts(
+      local_text.prepare(str(tmp_path / "data"), str(text_dir), 0)))
+  windows = [stream[k:k + 16] for k in range(0, len(stream) - 15, 16)]
+  inputs, targets = inputs_targets(batch)
+  for row, x, y in zip(batch, inputs, targets):  # each row is one aligned window of the stream
+    w = bytes(row.astype(np.uint8))
+    assert w in windows
+    assert bytes(x.astype(np.uint8)) == w[:-1] and bytes(y.astype(np.uint8)) == w[1:]
+
+
+def test_synthetic_same_seed_same_batches():
+  cfg = DataConfig(source="synthetic")
+  a = make_batches(cfg, seq_len=16, global_batch=8, seed=1, workdir="")
+  b = make_batches(cfg, seq_len=16, global_batch=8, seed=1, workdir="")
+  c = make_batches(cfg, seq_len=16, global_batch=8, seed=2, workdir="")
+  batches = _take(a, 3)
+  assert batches[0].shape == (8, 17) and batches[0].dtype == np.int32
+  assert batches[0].min() >= 0 and batches[0].max() < 256
+  np.testing.assert_array_equal(batches, _take(b, 3))
+  assert not np.array_equal(batches, _take(c, 3))
+
+
+def test_epochs_reshuffle_and_drop_the_remainder():
+  it = BatchIterator(_ids(30), global_batch=8, seed=0, prefetch=0)
+  assert it.steps_per_epoch == 3
+  epoch0 = np.concatenate(_take(it, 3))[:, 0]
+  assert it.state() == {"epoch": 1, "position": 0}
+  epoch1 = np.concatenate(_take(it, 3))[:, 0]
+  assert len(set(epoch0)) == len(set(epoch1)) == 24  # no window twice within an epoch
+  assert not np.array_equal(epoch0, epoch1)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_restore_continues_the_exact_sequence(prefetch):
+  it = BatchIterator(_ids(40), global_batch=8, seed=5, prefetch=prefetch)  # 5 batches per epoch
+  _take(it, 3)
+  state = it.state()
+  assert state == {"epoch": 0, "position": 3}  # handed out, not prefetched
+  assert all(type(v) is int for v in state.values())
+  expected = _take(it, 9)  # crosses two epoch boundaries
+  resumed = BatchIterator(_ids(40), global_batch=8, seed=5, prefetch=prefetch)
+  resumed.restore(state)
+  np.testing.assert_array_equal(_take(resumed, 9), expected)
+  it.restore(state)  # rewinding the same iterator works too
+  np.testing.assert_array_equal(_take(it, 9), expected)
+  it.close()
+  resumed.close()
+
+
+def test_processes_read_disjoint_shares_of_each_global_batch():
+  whole = BatchIterator(_ids(50), global_batch=8, seed=9, prefetch=0)
+  parts = [BatchIterator(_ids(50), global_batch=8, seed=9, process_index=i, process_count=2)
+           for i in range(2)]
+  seen = []
+  for _ in range(whole.steps_per_epoch):
+    p0, p1 = (p.next()[:, 0] for p in parts)
+    assert p0.shape == p1.shape == (4,)
+    assert not set(p0) & set(p1)
+    np.testing.assert_array_equal(np.concatenate([p0, p1]), whole.next()[:, 0])
+    seen += list(p0) + list(p1)
+  assert len(set(seen)) == whole.steps_per_epoch * 8
+
+
+def test_errors_are_clear(text_dir, tmp_path):
+  with pytest.raises(ValueError, match="not supported yet"):
+    make_batches(DataConfig(source="tfds", name="lm1b"), 16, 8, 0, str(tmp_path))
+  with pytest.raises(ValueError, match="fewer than one global batch of 4096"):
+    make_batches(DataConfig(source="local_text", path=str(text_dir), max_bytes=0), 15, 4096, 0,
+                 str(tmp_path))
+  with pytest.raises(ValueError, match="multiple of process_count"):
+    BatchIterator(_ids(50), global_batch=7, seed=0, process_count=2)
+
+
+def test_default_folder_is_the_stdlib(tmp_path):
+  cfg = DataConfig(source="local_text", data_dir=str(tmp_path / "tfds"), max_bytes=200_000)
+  it = make_batches(cfg, seq_len=127, global_batch=8, seed=0, workdir="unused")
+  assert it.next().shape == (8, 128)
+  builder = local_text.prepare(cfg.data_dir, "", 200_000)
+  texts = local_text.read_texts(builder, "train")  # 200 kB is under 50 files: no validation
+  total = sum(map(len, texts))
+  assert 200_000 - 4 <= total <= 200_000  # cut at the cap, within one UTF-8 character
+  root = local_text.default_path()
+  files = local_text.scan(root, only_py=True, max_bytes=200_000)
+  assert len(texts) == len(files) > 1
+  assert all(rel.endswith(".py") for rel, _ in files)
+  first = open(os.path.join(root, files[0][0]), "rb").read()
+  assert first in texts
+  assert it.steps_per_epoch == sum(len(t) + 1 for t in local_text.read_texts(builder)) // 128 // 8
