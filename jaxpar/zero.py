@@ -17,14 +17,20 @@ from jax.sharding import PartitionSpec as P
 DATA = "data"
 
 
-def zero_dim(shape, spec: P, logical, n_data: int) -> int:
-  """The dimension that gets `data` (largest free, divisible), or -1 if there is none."""
+def zero_dim(shape, spec: P, logical, mesh_shape) -> int:
+  """The dimension that gets `data` (largest free, divisible), or -1 if there is none.
+
+  A dimension whose mesh axes all have size 1 counts as free: `model` of size 1 splits nothing.
+  """
+  n_data = mesh_shape[DATA]
   if n_data == 1:
     return -1
   best = -1
   for i, dim in enumerate(shape):
     axes = spec[i] if i < len(spec) else None
-    if axes is not None or (logical and logical[i] == "layers") or dim % n_data:
+    names = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+    taken = any(mesh_shape[a] > 1 for a in names)
+    if taken or (logical and logical[i] == "layers") or dim % n_data:
       continue
     if best < 0 or dim > shape[best]:
       best = i
@@ -57,10 +63,9 @@ class Layout:
 
 def layout(abstract: Any, specs: Any, logical: Any, mesh, stage: int) -> Layout:
   """Shardings of params / grads / optimizer state for a ZeRO stage, from the rules' specs."""
-  n = mesh.shape[DATA]
   is_spec = lambda x: isinstance(x, P)
   dims = jax.tree_util.tree_map(
-      lambda a, s, l: zero_dim(a.shape, s, l, n), abstract, specs, logical,
+      lambda a, s, l: zero_dim(a.shape, s, l, mesh.shape), abstract, specs, logical,
       is_leaf=lambda x: isinstance(x, tuple) and not is_spec(x))
   sharded = jax.tree_util.tree_map(
       lambda a, s, d: add_data(s, len(a.shape), d), abstract, specs, dims,

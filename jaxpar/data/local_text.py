@@ -137,6 +137,7 @@ def prepare(data_dir: str, path: str = "", max_bytes: int = DEFAULT_MAX_BYTES) -
   """The builder for (path, max_bytes) under data_dir, built on first use and reused after."""
   builder = LocalText(path=path, max_bytes=max_bytes, data_dir=data_dir)
   if not builder.is_prepared():
+    tfds.disable_progress_bar()  # one build of a few seconds; its bars would bury the run's own
     try:
       builder.download_and_prepare(file_format="array_record")
     except FileExistsError:

@@ -41,8 +41,9 @@ class Layers(nnx.Module):
     self.wq = param((L, D, H * K), ("layers", "embed", "heads"), normal(0.02))
     self.wk = param((L, D, G * K), ("layers", "embed", "heads"), normal(0.02))
     self.wv = param((L, D, G * K), ("layers", "embed", "heads"), normal(0.02))
+    # No key bias: it shifts every score of a query by the same amount, which softmax ignores, so
+    # its gradient is exactly zero and Adam would only amplify rounding noise into it.
     self.bq = param((L, H * K), ("layers", "heads"), zeros)
-    self.bk = param((L, G * K), ("layers", "heads"), zeros)
     self.bv = param((L, G * K), ("layers", "heads"), zeros)
     self.wo = param((L, H * K, D), ("layers", "heads", "embed"), normal(proj_std))
     self.bo = param((L, D), ("layers", "embed"), zeros)
@@ -92,9 +93,15 @@ def block(p: dict, x: jax.Array, cfg: ModelConfig, manual=frozenset()) -> jax.Ar
   w = lambda name: p[name].astype(dt)
 
   h = layer_norm(x, p["ln1_scale"], p["ln1_bias"]).reshape(B * T, D)  # (B*T, D)
-  q = (h @ w("wq") + w("bq")).reshape(B, T, H, K)  # column-parallel over heads
-  k = (h @ w("wk") + w("bk")).reshape(B, T, G, K)
-  v = (h @ w("wv") + w("bv")).reshape(B, T, G, K)
+  R = H // G  # query heads per kv head
+  # q, k and v in one matmul, grouped by kv head (column-parallel over heads): its transpose is
+  # one partial sum, so the backward needs one all-reduce over `model`, not three.
+  wqkv = jnp.concatenate([w("wq").reshape(D, G, R * K), w("wk").reshape(D, G, K),
+                          w("wv").reshape(D, G, K)], axis=-1)  # (D, G, (R+2)K)
+  qkv = jnp.einsum("nd,dgj->ngj", h, wqkv)  # (B*T, G, (R+2)K)
+  q = (qkv[..., :R * K].reshape(B * T, H * K) + w("bq")).reshape(B, T, H, K)
+  k = qkv[..., R * K:(R + 1) * K].reshape(B, T, G, K)
+  v = (qkv[..., (R + 1) * K:].reshape(B * T, G * K) + w("bv")).reshape(B, T, G, K)
   q = constrain(q, ("batch", "seq", "heads", "kv"), manual=manual)
   a = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, H, K)
   a = a.reshape(B * T, H * K) @ w("wo") + w("bo")  # row-parallel: all-reduce over model
@@ -169,5 +176,5 @@ def n_params_nonembedding(cfg: ModelConfig) -> int:
   D, F, L = cfg.d_model, cfg.d_ff, cfg.n_layers
   G = cfg.n_kv_heads or cfg.n_heads
   K = D // cfg.n_heads
-  per_layer = 2 * D * D + 2 * D * G * K + D + 2 * G * K + D + 2 * D * F + F + D + 4 * D
+  per_layer = 2 * D * D + 2 * D * G * K + D + G * K + D + 2 * D * F + F + D + 4 * D
   return L * per_layer + 2 * D

@@ -1,0 +1,215 @@
+"""Sharded, asynchronous checkpoints of the train state with orbax, restorable onto any mesh.
+
+A step directory `<directory>/<step>` holds two orbax items: `state` ({"step", "params", "opt"};
+every host writes only its own shards) and `extra` (JSON: data position, config, seed...). orbax
+writes a step into `<step>.orbax-checkpoint-tmp` and renames it once complete, so a save killed
+halfway leaves only that tmp directory: orbax never lists it as a step, and the first save of the
+next run deletes it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxpar.config import ConfigError
+from jaxpar.rules import path_str
+
+STATE, EXTRA = "state", "extra"
+
+
+def _manager(directory: str, options: ocp.CheckpointManagerOptions) -> ocp.CheckpointManager:
+  # Handlers are registered up front so a manager that has not saved yet can read metadata.
+  handlers = {STATE: ocp.StandardCheckpointHandler(), EXTRA: ocp.JsonCheckpointHandler()}
+  return ocp.CheckpointManager(os.path.abspath(directory), options=options, item_handlers=handlers)
+
+
+def _reader(directory: str) -> ocp.CheckpointManager:
+  """A manager that neither creates nor deletes anything, safe beside a run that is saving."""
+  return _manager(directory, ocp.CheckpointManagerOptions(read_only=True, create=False))
+
+
+def _tree(meta: Any) -> Any:
+  """The plain tree of per-leaf metadata inside what an orbax `metadata()` call returned."""
+  meta = getattr(meta, "item_metadata", meta)  # a checkpointer's metadata is per step
+  return getattr(meta, "tree", meta)
+
+
+def _leaves(tree: Any) -> dict[str, Any]:
+  """'a/b/c' -> leaf, alike for a state tree and orbax's metadata of it (which lists its tuples)."""
+  return {path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(_tree(tree))}
+
+
+def _name(key: str) -> tuple[str, str]:
+  """('parameter', 'layers/wq') for 'params/layers/wq'; ('state entry', key) otherwise."""
+  if key.startswith("params/"):
+    return "parameter", key[len("params/"):]
+  return "state entry", key
+
+
+def _shape(shape) -> str:
+  return str(tuple(int(d) for d in shape))
+
+
+def check_shapes(stored: Any, target: Any) -> None:
+  """Raises ConfigError at the first leaf whose stored shape differs from the target's.
+
+  Parameters are compared first, so the message names the parameter the config changed rather
+  than an optimizer moment shaped like it.
+  """
+  have, want = _leaves(stored), _leaves(target)
+  for key in sorted(want, key=lambda k: (not k.startswith("params/"), k)):
+    what, name = _name(key)
+    if key not in have:
+      raise ConfigError(f"checkpoint has no {what} {name}, which the config makes with shape "
+                        f"{_shape(want[key].shape)}")
+    stored_shape = getattr(have[key], "shape", None)
+    if stored_shape is not None and tuple(stored_shape) != tuple(want[key].shape):
+      raise ConfigError(f"checkpoint {what} {name} has shape {_shape(stored_shape)} but the "
+                        f"config makes {_shape(want[key].shape)}")
+  unknown = sorted(set(have) - set(want), key=lambda k: (not k.startswith("params/"), k))
+  if unknown:
+    what, name = _name(unknown[0])
+    raise ConfigError(f"checkpoint {what} {name} is not made by the config "
+                      f"({len(unknown)} stored entries are not)")
+
+
+class Checkpointer:
+  """Periodic async saves of the sharded train state under `directory`; restores onto any mesh."""
+
+  def __init__(self, directory: str, keep: int, every: int, async_save: bool = True):
+    self.directory, self.keep, self.every, self.async_save = directory, keep, every, async_save
+    self._mgr: ocp.CheckpointManager | None = None
+    self._writing = False
+
+  def _writer(self) -> ocp.CheckpointManager:
+    """The manager that saves, created by the first save (which is when the directory appears)."""
+    if not self._writing:
+      if self._mgr is not None:
+        self._mgr.close()
+      options = ocp.CheckpointManagerOptions(
+          max_to_keep=self.keep, create=True, enable_async_checkpointing=self.async_save,
+          # Removes saves an earlier run was killed in; only a manager that saves here may,
+          # since a reader could be beside a live run whose save is in flight.
+          cleanup_tmp_directories=True)
+      self._mgr, self._writing = _manager(self.directory, options), True
+    return self._mgr
+
+  def _read(self) -> ocp.CheckpointManager | None:
+    """A manager for reading (after any save of ours completes), or None while nothing is here."""
+    if self._mgr is None:
+      if not os.path.isdir(self.directory):
+        return None
+      self._mgr = _reader(self.directory)
+    elif self._writing:
+      self._mgr.wait_until_finished()  # orbax lists a step as soon as its save starts
+    else:
+      self._mgr.reload()  # another process may have saved since
+    return self._mgr
+
+  def latest_step(self) -> int | None:
+    """The newest complete checkpoint's step; tmp directories of unfinished saves don't count."""
+    mgr = self._read()
+    return None if mgr is None else mgr.latest_step()
+
+  def all_steps(self) -> list[int]:
+    """Steps of all complete checkpoints, oldest first."""
+    mgr = self._read()
+    return [] if mgr is None else sorted(mgr.all_steps())
+
+  def should_save(self, step: int, force: bool = False) -> bool:
+    return force or (self.every > 0 and step % self.every == 0)
+
+  def maybe_save(self, step: int, state: dict, extra: dict, force: bool = False) -> bool:
+    """Starts saving `state` and `extra` as `step` when due; returns whether a save started.
+
+    With async saves this returns once orbax has copied the shards off the devices, so the caller
+    may donate `state` to the next step; orbax waits for the previous save before starting.
+    """
+    if not self.should_save(step, force):
+      return False
+    mgr = self._writer()
+    if step in mgr.all_steps():  # e.g. the final forced save on a step `every` already saved
+      return False
+    args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state),
+                                 EXTRA: ocp.args.JsonSave(extra)})
+    return bool(mgr.save(step, args=args, force=True))
+
+  def _have(self, step: int) -> ocp.CheckpointManager:
+    mgr = self._read()
+    if mgr is None or step not in mgr.all_steps():
+      raise FileNotFoundError(f"no complete checkpoint of step {step} in {self.directory}")
+    return mgr
+
+  def metadata(self, step: int) -> Any:
+    """orbax's metadata of the stored state: per leaf its shape, dtype and saved sharding."""
+    return self._have(step).item_metadata(step)[STATE]
+
+  def restore(self, step: int, abstract_state: dict, shardings: dict) -> tuple[dict, dict]:
+    """(state, extra) of `step`, each leaf read straight into its shards under `shardings`.
+
+    `abstract_state` gives shapes and dtypes, `shardings` the new run's layout: any mesh, any ZeRO
+    stage, optimizer state possibly in pinned host memory. orbax reads only the slices each
+    device holds, whatever layout the checkpoint was saved from, so nothing is gathered.
+    """
+    mgr = self._have(step)
+    check_shapes(mgr.item_metadata(step)[STATE], abstract_state)
+    target = jax.tree_util.tree_map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
+    args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target),
+                                 EXTRA: ocp.args.JsonRestore()})
+    out = mgr.restore(step, args=args)
+    return out[STATE], out[EXTRA]
+
+  def wait(self) -> None:
+    """Blocks until the save in flight, if any, is complete on disk."""
+    if self._mgr is not None:
+      self._mgr.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for the save in flight, then releases orbax's threads."""
+    if self._mgr is not None:
+      self._mgr.wait_until_finished()
+      self._mgr.close()
+      self._mgr, self._writing = None, False
+
+  def __enter__(self) -> "Checkpointer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def _step_dir(directory: str, step: int | None) -> str:
+  """`directory`/<step>, for the latest complete step when `step` is None."""
+  if step is None:
+    mgr = ocp.CheckpointManager(os.path.abspath(directory),
+                                options=ocp.CheckpointManagerOptions(read_only=True, create=False))
+    step = mgr.latest_step()
+    mgr.close()
+    if step is None:
+      raise FileNotFoundError(f"no complete checkpoint in {directory}")
+  return os.path.join(os.path.abspath(directory), str(step))
+
+
+def read_state(directory: str, step: int | None = None) -> dict:
+  """The state of `step` (default: the latest) as full numpy arrays, read with plain orbax.
+
+  Needs neither a mesh nor jaxpar: optimizer tuples come back as lists and namedtuples as dicts,
+  the way orbax stores them.
+  """
+  path = os.path.join(_step_dir(directory, step), STATE)
+  with ocp.PyTreeCheckpointer() as ckptr:
+    restore_args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+                                          _tree(ckptr.metadata(path)))
+    return ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+
+
+def read_extra(directory: str, step: int | None = None) -> dict:
+  """The JSON saved beside the state of `step` (default: the latest), read with plain orbax."""
+  path = os.path.join(_step_dir(directory, step), EXTRA)
+  with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
+    return ckptr.restore(path, args=ocp.args.JsonRestore())

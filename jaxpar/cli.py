@@ -1,0 +1,45 @@
+"""What every script shares: common flags, CPU device simulation, and one-sentence errors."""
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+
+from jaxpar import config as jconfig
+from jaxpar import mesh as jmesh
+from jaxpar.config import ConfigError
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--mesh", default="1x1x1", help="data x model x pipeline, e.g. 2x4x1")
+  p.add_argument("--config", help="YAML file of overrides (see configs/)")
+  p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                 help="config overrides; later ones win")
+  p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def setup(args) -> tuple[jconfig.Config, tuple[int, int, int]]:
+  """Parses mesh and config, then (before JAX starts) simulates CPU devices if needed."""
+  shape = jmesh.parse(args.mesh)
+  cfg = jconfig.load(args.config, args.set)
+  n = shape[0] * shape[1] * shape[2]
+  if n > 1 and jmesh.ensure_cpu_devices(n):
+    print(f"jaxpar: simulating {n} CPU devices for mesh {args.mesh} "
+          f"(XLA_FLAGS=--xla_force_host_platform_device_count={n})", file=sys.stderr)
+  return cfg, shape
+
+
+def guard(body, debug: bool) -> int:
+  """Runs body(); bad input becomes one line on stderr and exit code 2."""
+  try:
+    return body()
+  except ConfigError as e:
+    if debug:
+      traceback.print_exc()
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except FloatingPointError as e:
+    if debug:
+      traceback.print_exc()
+    print(f"error: {e}", file=sys.stderr)
+    return 1

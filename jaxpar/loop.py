@@ -1,0 +1,199 @@
+"""The training run: config -> mesh -> model -> sharded state -> data -> steps, metrics, checkpoints.
+
+Everything that can be checked without devices is checked before anything is written to the
+workdir, so bad input leaves no trace. Metrics are fetched from the devices only on logging and
+checkpoint steps; in between, steps are dispatched back to back.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxpar import config as jconfig
+from jaxpar import mesh as jmesh
+from jaxpar import metrics as jmetrics
+from jaxpar import model as jmodel
+from jaxpar import precision
+from jaxpar.config import Config, ConfigError
+from jaxpar.step import Trainer
+
+
+@dataclasses.dataclass
+class RunResult:
+  """What a run returns to Python callers (tests, notebooks)."""
+  steps: int  # total steps completed, including resumed ones
+  losses: dict[int, float]  # step -> loss for every step run in this process
+  state: Any
+  trainer: Trainer
+  summary: dict
+
+
+def build_model(cfg: Config) -> jmodel.ModelDef:
+  """The ModelDef for `model.kind`."""
+  if cfg.model.kind == "gpt":
+    return jmodel.gpt(cfg, precision.param_dtype(cfg.precision), cfg.parallel.remat)
+  if cfg.model.kind == "cnn":
+    from jaxpar.models import cnn
+    return cnn.model_def(cfg)
+  raise ConfigError(f"model.kind={cfg.model.kind!r} is not one of gpt, cnn")
+
+
+def prepare(cfg: Config, mesh_shape: tuple[int, int, int]) -> Trainer:
+  """Checks every degree against the devices and builds the trainer (nothing is written)."""
+  if cfg.parallel.virtual_stages > 1 and cfg.parallel.schedule != "circular":
+    raise ConfigError("parallel.virtual_stages > 1 needs parallel.schedule=circular")
+  if mesh_shape[2] > 1:
+    raise ConfigError(f"mesh {'x'.join(map(str, mesh_shape))}: pipeline parallelism "
+                      "(pipeline > 1) is not available in this version; use pipeline=1")
+  devices = jax.devices()
+  jmesh.check(mesh_shape, cfg, len(devices))
+  mesh = jmesh.make(mesh_shape, devices)
+  return Trainer(cfg, mesh, build_model(cfg))
+
+
+class _StopFlag:
+  """SIGTERM / SIGINT ask the loop to finish the current step, checkpoint and exit cleanly."""
+
+  def __init__(self):
+    self.requested = None
+    self._old = {}
+
+  def __enter__(self):
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      try:
+        self._old[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread: leave signals alone
+        pass
+    return self
+
+  def _handle(self, signum, frame):
+    self.requested = signal.Signals(signum).name
+
+  def __exit__(self, *exc):
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+
+
+def _global_batch(local: np.ndarray, sharding) -> dict:
+  """This process's rows -> one global array split over `data`."""
+  return {"tokens": jax.make_array_from_process_local_data(sharding, local)}
+
+
+def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_file: str | None = None,
+        steps: int | None = None, progress: bool = True, log=print) -> RunResult:
+  """Trains `cfg` on `mesh_shape` for `steps` total steps (default train.steps) in `workdir`."""
+  if steps is not None:
+    cfg = jconfig.override(cfg, train={"steps": steps})
+  total = cfg.train.steps
+  trainer = prepare(cfg, mesh_shape)
+  is_main = jax.process_index() == 0
+
+  from jaxpar import checkpoint as jckpt
+  from jaxpar.data import make_batches
+  os.makedirs(workdir, exist_ok=True)
+  ckpt = jckpt.Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.checkpoint.keep,
+                            every=cfg.checkpoint.every)
+  batches = make_batches(cfg.data, cfg.model.seq_len, cfg.train.batch_size, cfg.train.seed, workdir,
+                         process_index=jax.process_index(), process_count=jax.process_count())
+  seq = cfg.model.seq_len
+  batch_abstract = {"tokens": jax.ShapeDtypeStruct((cfg.train.batch_size, seq + 1), np.int32)}
+  batch_sharding = trainer.batch_sharding(batch_abstract)["tokens"]
+
+  start = ckpt.latest_step()
+  if start is not None:
+    state, extra = ckpt.restore(start, trainer.abstract_state, trainer.state_shardings)
+    batches.restore(extra["data"])
+    log(f"resuming from the checkpoint at step {start} in {ckpt.directory}")
+  else:
+    state, start = trainer.init(cfg.train.seed), 0
+
+  t0 = time.perf_counter()
+  compiled = trainer.lower(batch_abstract).compile()
+  compile_s = time.perf_counter() - t0
+  peak, peak_source = jmetrics.peak_flops_per_device()
+  n_dev = trainer.mesh.size
+  tokens_per_step = cfg.train.batch_size * seq
+  flops_per_step = trainer.model.flops_per_example * cfg.train.batch_size
+
+  logger = jmetrics.MetricsLogger(workdir if is_main else None, metrics_file if is_main else None,
+                                  total, is_main=is_main, progress=progress and is_main)
+  losses: dict[int, float] = {}
+  pending: list[tuple[int, dict]] = []  # device metrics not yet fetched
+  interval_t, interval_steps = time.perf_counter(), 0
+  timed_s, timed_steps = 0.0, 0
+  step = start
+  stopped = None
+
+  def flush(now_step: int) -> None:
+    """Fetches pending metrics (one host sync), checks them, logs the newest."""
+    nonlocal interval_t, interval_steps, timed_s, timed_steps
+    fetched = jax.device_get([m for _, m in pending])
+    for (s, _), m in zip(pending, fetched):
+      losses[s] = float(m["loss"])
+      if not math.isfinite(losses[s]):
+        raise FloatingPointError(f"loss is {losses[s]} at step {s}; stopping without saving "
+                                 f"(the last good checkpoint is kept)")
+    elapsed = time.perf_counter() - interval_t
+    step_time = elapsed / max(interval_steps, 1)
+    if start > 0 or now_step > interval_steps:  # the first interval includes warm-up
+      timed_s, timed_steps = timed_s + elapsed, timed_steps + interval_steps
+    m = {k: float(v) for k, v in fetched[-1].items()}
+    tps = tokens_per_step / step_time
+    logger.log(now_step, {"loss": m.pop("loss"), "learning_rate": m.pop("learning_rate"),
+                          "grad_norm": m.pop("grad_norm"), "step_time_s": step_time,
+                          "tokens_per_sec": tps,
+                          "mfu": flops_per_step / step_time / (peak * n_dev), **m})
+    pending.clear()
+    interval_t, interval_steps = time.perf_counter(), 0
+
+  with _StopFlag() as stop, jax.set_mesh(trainer.mesh):
+    try:
+      while step < total:
+        state, m = compiled(state, _global_batch(batches.next(), batch_sharding))
+        step += 1
+        interval_steps += 1
+        pending.append((step, m))
+        save_now = stop.requested or step == total or (
+            cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
+        if step % cfg.train.log_every == 0 or save_now:
+          flush(step)
+        if save_now:
+          ckpt.maybe_save(step, state, {"data": batches.state(), "config": jconfig.to_dict(cfg)},
+                          force=True)
+        if stop.requested:
+          stopped = stop.requested
+          break
+    finally:
+      ckpt.wait()
+      ckpt.close()
+      batches.close()
+
+  if stopped:
+    log(f"received {stopped}: saved a checkpoint at step {step}; run again to resume")
+  tps = tokens_per_step * timed_steps / timed_s if timed_s else 0.0
+  mem = jmetrics.device_peak_memory_bytes()
+  mem_source = "device memory_stats"
+  if mem is None:
+    ma = compiled.memory_analysis()
+    mem = int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+              - ma.alias_size_in_bytes)
+    mem_source = "compiled memory_analysis (arguments + outputs + temps - aliased)"
+  summary = {"steps": step, "steps_this_run": step - start, "tokens_per_sec": tps,
+             "mfu": flops_per_step * tps / tokens_per_step / (peak * n_dev),
+             "peak_flops_per_device": peak, "peak_flops_source": peak_source,
+             "peak_memory_bytes": mem, "peak_memory_source": mem_source,
+             "compile_s": compile_s, "devices": n_dev,
+             "first_loss": losses[min(losses)] if losses else None,
+             "last_loss": losses[max(losses)] if losses else None,
+             "interrupted": bool(stopped)}
+  text = logger.final(summary)
+  if is_main:
+    log(text)
+  return RunResult(steps=step, losses=losses, state=state, trainer=trainer, summary=summary)

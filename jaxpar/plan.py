@@ -1,0 +1,175 @@
+"""Static report of a training step on a mesh: specs, bytes per device, collectives, FLOPs.
+
+Nothing is allocated and nothing runs: the step is lowered from abstract shapes and compiled, and
+every number is read from shardings or from the compiled program. All byte counts are per device
+unless a key says `unsharded`.
+
+FLOPs come in two flavours that mean different things:
+- `flops_per_step`: XLA's cost analysis of the compiled per-device program. XLA:CPU counts each
+  instruction once, so a while body (the layer scan, gradient accumulation) is NOT multiplied by
+  its trip count; with loops it undercounts.
+- `model_flops_per_step`: the model's analytic training FLOPs (DESIGN's definition) for one global
+  batch, summed over all devices; this is the number MFU uses.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import hlo, precision, rules
+from jaxpar import mesh as jmesh
+from jaxpar import model as jmodel
+from jaxpar.config import Config, ConfigError, to_dict
+from jaxpar.step import Trainer
+
+
+def spec_str(spec: P, ndim: int) -> str:
+  """P('data') of a 2-D leaf -> "P('data', None)": padded to the leaf's rank."""
+  parts = list(spec) + [None] * (ndim - len(spec))
+  return "P(" + ", ".join(repr(a) for a in parts) + ")"
+
+
+def shard_bytes(shape: Sequence[int], dtype: Any, sharding: NamedSharding) -> int:
+  """Bytes of one device's shard of a global array of `shape` and `dtype` under `sharding`."""
+  return math.prod(sharding.shard_shape(tuple(shape))) * jnp.dtype(dtype).itemsize
+
+
+def _full_bytes(leaf: Any) -> int:
+  return math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+
+
+def _model(cfg: Config) -> jmodel.ModelDef:
+  if cfg.model.kind != "gpt":
+    raise ConfigError(f"model.kind={cfg.model.kind} has no model definition to plan; valid: gpt")
+  return jmodel.gpt(cfg, param_dtype=precision.param_dtype(cfg.precision), remat=cfg.parallel.remat)
+
+
+def _batch_abstract(cfg: Config) -> dict:
+  """The global batch the step takes: tokens (batch_size, seq_len + 1) int32."""
+  return {"tokens": jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32)}
+
+
+def plan(cfg: Config, mesh_shape: str | Sequence[int],
+         devices: Sequence[Any] | None = None) -> dict:
+  """The DESIGN plan JSON of one step of `cfg` on a DxMxP mesh over the first D*M*P `devices`."""
+  # Bad input (mesh, divisibility, too few devices) raises ConfigError before anything compiles.
+  if isinstance(mesh_shape, str):
+    shape = jmesh.parse(mesh_shape)
+  else:
+    shape = tuple(int(s) for s in mesh_shape)
+  n = math.prod(shape)
+  devices = list(jax.devices() if devices is None else devices)
+  # A mesh smaller than the devices present is a valid plan (the rest idle); a larger one is not.
+  devices = devices[:n] if len(devices) >= n else devices
+  jmesh.check(shape, cfg, len(devices))
+  mesh = jmesh.make(shape, devices)
+  model = _model(cfg)
+  trainer = Trainer(cfg, mesh, model)
+  compiled = trainer.lower(_batch_abstract(cfg)).compile()
+
+  is_spec = lambda x: isinstance(x, P)
+  abstract = model.abstract
+  param_sh = trainer.state_shardings["params"]
+  grad_sh = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), trainer.layout.grads,
+                                   is_leaf=is_spec)
+  opt_sh = trainer.state_shardings["opt"]
+  opt_abstract = trainer.abstract_state["opt"]
+
+  def total(tree_abstract, tree_sh) -> int:
+    return sum(jax.tree_util.tree_leaves(jax.tree_util.tree_map(
+        lambda a, s: shard_bytes(a.shape, a.dtype, s), tree_abstract, tree_sh)))
+
+  # Grads take the param dtype: the step casts to the compute dtype inside the loss only.
+  per_device = {"params": total(abstract, param_sh), "grads": total(abstract, grad_sh),
+                "opt_state": total(opt_abstract, opt_sh)}
+  full_params = sum(_full_bytes(a) for a in jax.tree_util.tree_leaves(abstract))
+  unsharded = {"params": full_params, "grads": full_params,
+               "opt_state": sum(_full_bytes(a) for a in jax.tree_util.tree_leaves(opt_abstract))}
+
+  parameters = []
+  flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
+  leaves = lambda tree, leaf=None: jax.tree_util.tree_leaves(tree, is_leaf=leaf)
+  is_axes = lambda x: isinstance(x, tuple) and not is_spec(x)
+  for (path, a), logical, p_sh, g_sh, o_spec in zip(
+      flat, leaves(model.logical, is_axes), leaves(param_sh), leaves(grad_sh),
+      leaves(trainer.layout.opt, is_spec)):
+    parameters.append({
+        "path": rules.path_str(path),
+        "shape": list(a.shape),
+        "dtype": jnp.dtype(a.dtype).name,
+        "logical": list(logical),
+        "spec": spec_str(p_sh.spec, a.ndim),
+        "grad_spec": spec_str(g_sh.spec, a.ndim),
+        "opt_spec": spec_str(o_spec, a.ndim),
+        "bytes_per_device": shard_bytes(a.shape, a.dtype, p_sh),
+    })
+
+  d, m, p = shape
+  return {
+      "devices": n,
+      "platform": devices[0].platform,
+      "mesh": {"data": d, "model": m, "pipeline": p, "shape": f"{d}x{m}x{p}"},
+      "zero_stage": cfg.parallel.zero_stage,
+      "offload_optimizer": cfg.parallel.offload_optimizer,
+      "param_count": sum(math.prod(a.shape) for a in jax.tree_util.tree_leaves(abstract)),
+      "bytes_per_device": per_device,
+      "unsharded_bytes": unsharded,
+      "compiled": hlo.memory(compiled),
+      "collectives": hlo.collective_bytes(compiled.as_text()),
+      "flops_per_step": hlo.flops(compiled),
+      "model_flops_per_step": model.flops_per_example * cfg.train.batch_size,
+      "parameters": parameters,
+      "config": to_dict(cfg),
+  }
+
+
+def _mib(b: float) -> str:
+  return f"{b / 2**20:,.3f} MiB"
+
+
+def _flops(f: float | None) -> str:
+  return "n/a" if f is None else f"{f:.4g}"
+
+
+def format_table(report: dict) -> str:
+  """The plan as text: one row per parameter, then totals, compiled memory, collectives, FLOPs."""
+  ms = report["mesh"]
+  lines = [f"mesh {ms['shape']} (data={ms['data']}, model={ms['model']}, pipeline={ms['pipeline']})"
+           f" on {report['devices']} {report.get('platform', '')} devices, ZeRO stage "
+           f"{report['zero_stage']}, {report['param_count']:,} parameters", ""]
+  rows = [(q["path"], "x".join(map(str, q["shape"])) or "()", q["spec"], q["opt_spec"],
+           f"{q['bytes_per_device']:,}") for q in report["parameters"]]
+  head = ("parameter", "shape", "spec (params)", "spec (opt state)", "bytes/device")
+  widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+  fmt = lambda r: "  ".join(c.rjust(w) if i == len(head) - 1 else c.ljust(w)
+                            for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+  lines += [fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows] + [""]
+
+  per, full = report["bytes_per_device"], report["unsharded_bytes"]
+  lines.append(f"{'model state':<12}  {'per device':>16}  {'unsharded':>16}")
+  for key in ("params", "grads", "opt_state"):
+    lines.append(f"{key:<12}  {_mib(per[key]):>16}  {_mib(full[key]):>16}")
+  lines.append(f"{'total':<12}  {_mib(sum(per.values())):>16}  {_mib(sum(full.values())):>16}")
+  if report.get("offload_optimizer"):
+    lines.append("opt_state lives in host memory (pinned_host), not in device memory")
+  lines.append("")
+  lines.append("compiled program, per device (XLA memory analysis)")
+  for key, value in report["compiled"].items():
+    lines.append(f"  {key:<22} {_mib(value):>16}")
+  lines.append("")
+  lines.append("collectives, bytes per device per step (result buffers, loops by trip count)")
+  coll = report["collectives"]
+  for key, value in coll.items():
+    lines.append(f"  {key:<22} {_mib(value):>16}")
+  lines.append(f"  {'total':<22} {_mib(sum(coll.values())):>16}")
+  lines.append("")
+  lines.append(f"flops_per_step        {_flops(report['flops_per_step'])}  "
+               "(XLA cost analysis, one device; loop bodies counted once)")
+  lines.append(f"model_flops_per_step  {_flops(report['model_flops_per_step'])}  "
+               "(analytic training FLOPs of one global batch, all devices)")
+  return "\n".join(lines)

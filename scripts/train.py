@@ -1,0 +1,35 @@
+"""Train a model on a DxMxP mesh: python scripts/train.py --mesh 2x4x1 [--config F] [--set k=v ...]."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+try:
+  import jaxpar  # noqa: F401
+except ImportError:  # running from a checkout without `pip install -e .`
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxpar import cli
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__)
+  cli.add_common(p)
+  p.add_argument("--steps", type=int, help="total steps (overrides train.steps)")
+  p.add_argument("--workdir", default="workdir", help="checkpoints, TensorBoard, built data")
+  p.add_argument("--metrics-file", help="JSON Lines: one object per logged step, then a final one")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  args = p.parse_args(argv)
+
+  def body():
+    cfg, shape = cli.setup(args)
+    from jaxpar import loop
+    result = loop.run(cfg, shape, args.workdir, args.metrics_file, args.steps,
+                      progress=not args.no_progress)
+    return 0 if result.steps else 1
+  return cli.guard(body, args.debug)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
