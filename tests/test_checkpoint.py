@@ -124,14 +124,19 @@ def test_read_state_with_plain_orbax(saved):
 
 
 KILLED_SAVE = """
-import os
+import os, time
 import jax.numpy as jnp
 from jaxpar import checkpoint
-ckpt = checkpoint.Checkpointer({directory!r}, keep=3, every=1)
-state = lambda s: {{"step": jnp.int32(s), "params": {{"w": jnp.full((256, 256), s, jnp.float32)}}}}
-ckpt.maybe_save(1, state(1), {{"step": 1}})
+directory = {directory!r}
+ckpt = checkpoint.Checkpointer(directory, keep=3, every=1)
+ckpt.maybe_save(1, {{"step": jnp.int32(1), "params": {{"w": jnp.ones((256, 256))}}}}, {{"step": 1}})
 ckpt.wait()
-ckpt.maybe_save(2, state(2), {{"step": 2}})
+# Large enough that writing it outlasts the poll below by far.
+ckpt.maybe_save(2, {{"step": jnp.int32(2), "params": {{"w": jnp.ones((4096, 4096))}}}}, {{"step": 2}})
+tmp = os.path.join(directory, "2.orbax-checkpoint-tmp")
+deadline = time.time() + 60
+while not os.path.isdir(tmp) and time.time() < deadline:  # orbax creates it in the background
+  time.sleep(0.0005)
 os._exit(0)  # killed while step 2 is being written
 """
 
