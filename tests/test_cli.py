@@ -1,0 +1,71 @@
+"""scripts/train.py as a user runs it: one-sentence errors with exit code 2, and a short real run."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.d_ff=64",
+        "model.seq_len=16", "train.batch_size=8", "train.log_every=2"]
+
+
+def train(*args, env_extra=None, timeout=300):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(env_extra or {})
+  return subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *args],
+                        capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+BAD = [
+    (["--mesh", "2by4"], "is not of the form DxMxP"),
+    (["--mesh", "0x1x1"], "is not of the form DxMxP"),
+    (["--mesh", "2x4x1", "--set", "model.n_heads=6", "model.d_model=96"], "model.n_heads=6 is not divisible by model=4"),
+    (["--mesh", "3x1x1"], "train.batch_size/train.grad_accum=16 is not divisible by data=3"),
+    (["--mesh", "1x1x1", "--set", "model.d_layers=3"], "unknown config key: model.d_layers"),
+    (["--mesh", "1x1x1", "--set", "train.steps=many"], "train.steps must be of type int"),
+    (["--mesh", "1x1x1", "--set", "parallel.zero_stage=5"], "parallel.zero_stage=5 must be 0, 1, 2 or 3"),
+    (["--mesh", "1x1x1", "--set", "train.lr=-1"], "train.lr=-1.0 must not be negative"),
+    (["--mesh", "1x1x1", "--config", "no/such/file.yaml"], "config file no/such/file.yaml does not exist"),
+    (["--mesh", "1x1x1", "--set", "precision.compute_dtype=fp8"], "is not one of"),
+    (["--mesh", "1x1x2"], "pipeline parallelism"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_sentence_and_exit_2(tmp_path, args, message):
+  workdir = tmp_path / "wd"
+  r = train(*args, "--workdir", str(workdir), "--no-progress")
+  assert r.returncode == 2, r.stderr
+  lines = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+  assert len(lines) == 1 and message in lines[0], r.stderr
+  assert "Traceback" not in r.stderr
+  assert not workdir.exists()
+
+
+def test_mesh_larger_than_devices_is_exit_2(tmp_path):
+  r = train("--mesh", "2x4x1", "--workdir", str(tmp_path / "wd"),
+            env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+  assert r.returncode == 2
+  assert "mesh 2x4x1 needs 8 devices, found 4 (data=2, model=4, pipeline=1)" in r.stderr
+  assert not (tmp_path / "wd").exists()
+
+
+def test_short_run_writes_metrics_tensorboard_and_checkpoint(tmp_path):
+  wd, mf = tmp_path / "wd", tmp_path / "metrics.jsonl"
+  r = train("--mesh", "2x2x1", "--workdir", str(wd), "--metrics-file", str(mf), "--steps", "6",
+            "--no-progress", "--set", "data.source=synthetic", *TINY)
+  assert r.returncode == 0, r.stderr
+  assert "simulating 4 CPU devices" in r.stderr
+  rows = [json.loads(l) for l in mf.read_text().splitlines()]
+  steps = [row for row in rows if not row.get("final")]
+  assert [row["step"] for row in steps] == [2, 4, 6]
+  for row in steps:
+    for key in ("step", "loss", "learning_rate", "grad_norm", "step_time_s", "tokens_per_sec", "mfu"):
+      assert isinstance(row[key], (int, float)), key
+  final = rows[-1]
+  assert final["final"] is True and final["steps"] == 6 and final["tokens_per_sec"] > 0
+  assert list((wd / "tb").iterdir())
+  assert (wd / "checkpoints").exists()
