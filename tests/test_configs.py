@@ -1,0 +1,34 @@
+"""Every shipped config loads, validates, and starts with the command that runs it."""
+import pathlib
+
+import pytest
+
+from jaxpar import config
+
+CONFIGS = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_config_loads_and_documents_its_command(path):
+  config.load(str(path))
+  first = path.read_text().splitlines()[0]
+  assert first.startswith("# python scripts/train.py --mesh ") and path.name in first
+
+
+def test_set_overrides_file_and_later_wins(tmp_path):
+  f = tmp_path / "c.yaml"
+  f.write_text("train:\n  lr: 0.5\n  steps: 7\n")
+  cfg = config.load(str(f), ["train.lr=0.1", "train.lr=0.2"])
+  assert cfg.train.lr == 0.2 and cfg.train.steps == 7
+
+
+def test_unknown_section_and_key_fail():
+  with pytest.raises(config.ConfigError, match="unknown config key: optim.lr"):
+    config.load(None, ["optim.lr=1"])
+  with pytest.raises(config.ConfigError, match="unknown config key: train.learning_rate"):
+    config.load(None, ["train.learning_rate=1"])
+
+
+def test_round_trip_through_dict():
+  cfg = config.load(None, ["model.n_layers=3", "parallel.zero_stage=2"])
+  assert config.from_dict(config.to_dict(cfg)) == cfg
