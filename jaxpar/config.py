@@ -55,6 +55,7 @@ class TrainConfig:
   clip_norm: float = 1.0
   seed: int = 0
   log_every: int = 10
+  skip_nonfinite: bool = False  # a step with a non-finite loss or gradient leaves the state as it was
 
 
 @dataclass(frozen=True)

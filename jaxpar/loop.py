@@ -125,6 +125,7 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
   logger = jmetrics.MetricsLogger(workdir if is_main else None, metrics_file if is_main else None,
                                   total, is_main=is_main, progress=progress and is_main)
   losses: dict[int, float] = {}
+  skipped = [0]  # steps whose update was dropped for a non-finite loss (train.skip_nonfinite)
   pending: list[tuple[int, dict]] = []  # device metrics not yet fetched
   interval_t, interval_steps = time.perf_counter(), 0
   timed_s, timed_steps = 0.0, 0
@@ -137,7 +138,8 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
     fetched = jax.device_get([m for _, m in pending])
     for (s, _), m in zip(pending, fetched):
       losses[s] = float(m["loss"])
-      if not math.isfinite(losses[s]):
+      skipped[0] += int(m.get("skipped", 0))
+      if not math.isfinite(losses[s]) and not cfg.train.skip_nonfinite:
         raise FloatingPointError(f"loss is {losses[s]} at step {s}; stopping without saving "
                                  f"(the last good checkpoint is kept)")
     elapsed = time.perf_counter() - interval_t
@@ -192,7 +194,7 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
              "compile_s": compile_s, "devices": n_dev,
              "first_loss": losses[min(losses)] if losses else None,
              "last_loss": losses[max(losses)] if losses else None,
-             "interrupted": bool(stopped)}
+             "interrupted": bool(stopped), "skipped_steps": skipped[0]}
   text = logger.final(summary)
   if is_main:
     log(text)

@@ -130,11 +130,17 @@ class Trainer:
     opt = state["opt"]
     if self.cfg.parallel.offload_optimizer:  # host -> device for the update, back via out_shardings
       opt = jax.device_put(opt, self.opt_device)
-    updates, opt = self.tx.update(grads, opt, state["params"])
+    updates, new_opt = self.tx.update(grads, opt, state["params"])
     params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+    grad_norm = optax.global_norm(grads)
+    metrics = {"loss": loss, "grad_norm": grad_norm,
                "learning_rate": self.lr_schedule(state["step"]), **aux}
-    return {"step": state["step"] + 1, "params": params, "opt": opt}, metrics
+    if self.cfg.train.skip_nonfinite:  # keep the old state; the loop counts the skipped steps
+      ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)
+      params, new_opt = keep(params, state["params"]), keep(new_opt, opt)
+      metrics["skipped"] = (~ok).astype(jnp.int32)
+    return {"step": state["step"] + 1, "params": params, "opt": new_opt}, metrics
 
   def jitted(self, batch_abstract: Any):
     """The step, jitted with the state's shardings (state donated)."""
