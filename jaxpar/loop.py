@@ -49,9 +49,6 @@ def prepare(cfg: Config, mesh_shape: tuple[int, int, int]) -> Trainer:
   """Checks every degree against the devices and builds the trainer (nothing is written)."""
   if cfg.parallel.virtual_stages > 1 and cfg.parallel.schedule != "circular":
     raise ConfigError("parallel.virtual_stages > 1 needs parallel.schedule=circular")
-  if mesh_shape[2] > 1:
-    raise ConfigError(f"mesh {'x'.join(map(str, mesh_shape))}: pipeline parallelism "
-                      "(pipeline > 1) is not available in this version; use pipeline=1")
   devices = jax.devices()
   jmesh.check(mesh_shape, cfg, len(devices))
   mesh = jmesh.make(mesh_shape, devices)
@@ -139,9 +136,12 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
     for (s, _), m in zip(pending, fetched):
       losses[s] = float(m["loss"])
       skipped[0] += int(m.get("skipped", 0))
-      if not math.isfinite(losses[s]) and not cfg.train.skip_nonfinite:
-        raise FloatingPointError(f"loss is {losses[s]} at step {s}; stopping without saving "
-                                 f"(the last good checkpoint is kept)")
+      # The gradient norm too: a finite loss with an overflowed gradient still makes the updated
+      # state NaN, and this step may be the one about to be saved.
+      grad_norm = float(m["grad_norm"])
+      if not (math.isfinite(losses[s]) and math.isfinite(grad_norm)) and not cfg.train.skip_nonfinite:
+        raise FloatingPointError(f"loss is {losses[s]} and gradient norm {grad_norm} at step {s}; "
+                                 f"stopping without saving (the last good checkpoint is kept)")
     elapsed = time.perf_counter() - interval_t
     step_time = elapsed / max(interval_steps, 1)
     if start > 0 or now_step > interval_steps:  # the first interval includes warm-up

@@ -27,6 +27,8 @@ class ModelDef:
   abstract: Any  # same tree; jax.ShapeDtypeStruct leaves
   tokens_per_example: int = 0  # for tokens/s; 0 = not a sequence model
   flops_per_example: float = 0.0  # training FLOPs of one example (MFU); 0 = unknown
+  # (params, micro, schedule, dtype, dims, manual) -> (loss, metrics, grads); None = no pipeline
+  pipeline: Callable[..., tuple[jax.Array, dict, Any]] | None = None
 
 
 def _cast(params, dtype):
@@ -117,7 +119,11 @@ def gpt(cfg, param_dtype=jnp.float32, remat: bool = False) -> ModelDef:
 
   def loss(params, batch, dtype=jnp.float32, dims=None, manual=frozenset()):
     return g.loss(params, batch, mc, dtype, dims, remat, manual)
+
+  def pipeline(params, micro, sched, dtype=jnp.float32, dims=None, manual=frozenset()):
+    return g.pipeline_grads(params, micro, mc, sched, dtype, dims, remat, manual)
   # DESIGN's model FLOPs per token: 6 N_nonembedding + 12 L D T (causal attention counted in full)
   flops_tok = 6 * g.n_params_nonembedding(mc) + 12 * mc.n_layers * mc.d_model * mc.seq_len
   return ModelDef(init=base.init, loss=loss, logical=base.logical, abstract=base.abstract,
-                  tokens_per_example=mc.seq_len, flops_per_example=flops_tok * mc.seq_len)
+                  tokens_per_example=mc.seq_len, flops_per_example=flops_tok * mc.seq_len,
+                  pipeline=pipeline)

@@ -27,7 +27,7 @@ RULES: tuple[tuple[str, str | None], ...] = (
     ("embed", None),
     ("kv", None),
     ("seq", None),
-    ("layers", None),  # the scanned layer axis; the pipeline views it as [stages, ...]
+    ("layers", "pipeline"),  # the scanned layer stack: stage s holds a contiguous block of layers
 )
 
 Logical = tuple[str | None, ...]

@@ -1,10 +1,11 @@
 """Train state, its shardings, sharded init and the compiled training step.
 
-The gradient is computed inside a `shard_map` that is manual over `data` only: each data shard
-differentiates its part of the batch and the gradients are then reduced explicitly — all-reduce
-for ZeRO 0/1, reduce-scatter for ZeRO-2, and for ZeRO-3 the reduce-scatter that autodiff makes
-of the per-layer all-gathers. `model` (and `pipeline`) stay automatic, so GSPMD partitions the
-tensor-parallel matmuls inside. The optimizer update runs outside, on whatever shards the state has.
+The gradient is computed inside a `shard_map` that is manual over `data` (and over `pipeline` when
+there is one): each data shard differentiates its part of the batch and the gradients are then
+reduced explicitly — all-reduce for ZeRO 0/1, reduce-scatter for ZeRO-2, and for ZeRO-3 the
+reduce-scatter that autodiff makes of the per-layer all-gathers. With a pipeline, the schedule's
+executor (pipeline.py) produces each stage's gradients. `model` stays automatic, so GSPMD
+partitions the tensor-parallel matmuls inside. The optimizer update runs outside, on whatever shards the state has.
 """
 from __future__ import annotations
 
@@ -16,16 +17,16 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import optim, precision, rules, zero
-from jaxpar.config import Config
+from jaxpar import optim, pipeline, precision, rules, zero
+from jaxpar.config import Config, ConfigError
 from jaxpar.model import ModelDef
 
-MANUAL = frozenset({zero.DATA})
+PIPE = "pipeline"
 
 
-def _data_only(spec: P) -> P:
-  """The part of a spec a shard_map manual over `data` may name."""
-  return P(*(a if a == zero.DATA else None for a in spec))
+def _manual_only(spec: P, manual: frozenset) -> P:
+  """The part of a spec that a shard_map manual over `manual` may name."""
+  return P(*(a if a in manual else None for a in spec))
 
 
 class Trainer:
@@ -39,6 +40,12 @@ class Trainer:
     self.layout = zero.layout(model.abstract, self.specs, model.logical, mesh, pc.zero_stage)
     self.tx = optim.make(cfg.train)
     self.lr_schedule = optim.schedule(cfg.train)
+    n_stages = mesh.shape[PIPE]
+    self.schedule = None
+    if n_stages > 1:
+      if model.pipeline is None:
+        raise ConfigError("this model has no pipeline form; use a mesh with pipeline=1")
+      self.schedule = pipeline.build(pc.schedule, n_stages, pc.microbatches, pc.virtual_stages)
     opt_abstract = jax.eval_shape(self.tx.init, model.abstract)
     opt_specs = zero.opt_state_specs(opt_abstract, model.abstract, self.layout.opt)
     self.state_specs = {"step": P(), "params": self.layout.params, "opt": opt_specs}
@@ -75,53 +82,64 @@ class Trainer:
     L = self.layout
     stage, accum = L.stage, self.cfg.train.grad_accum
     scale = self.cfg.precision.loss_scale
-    model, dtype = self.model, self.compute_dtype
-
-    sharded = self.mesh.shape[zero.DATA] > 1
-    manual = MANUAL if sharded else frozenset()
+    model, dtype, sched = self.model, self.compute_dtype, self.schedule
+    data_sharded = self.mesh.shape[zero.DATA] > 1
+    manual = frozenset(a for a, on in ((zero.DATA, data_sharded), (PIPE, sched is not None)) if on)
+    # Without a pipeline the body is differentiated by jax.grad under vma checking; the pipeline
+    # executor differentiates by hand (jax.vjp per stage), where per-device values are simply local.
+    vma = sched is None
 
     def local(params, batch):
-      if stage < 3 and sharded:  # differentiate a per-shard copy, so the reduction below is the only one
-        params = jax.lax.pcast(params, zero.DATA, to="varying")
+      if stage < 3 and data_sharded and vma:  # differentiate a per-shard copy: the reduction
+        params = jax.lax.pcast(params, zero.DATA, to="varying")  # below is then the only one
 
-      def micro_loss(p, mb):
-        loss, aux = model.loss(p, mb, dtype, L.param_dims, manual)
-        return loss * scale, (loss, aux)
-      grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+      def one(mb):  # -> (loss, metrics, grads) of one microbatch of this shard
+        if sched is not None:
+          micro = jax.tree_util.tree_map(
+              lambda x: x.reshape((sched.microbatches, x.shape[0] // sched.microbatches) + x.shape[1:]), mb)
+          loss, aux, grads = model.pipeline(params, micro, sched, dtype, L.param_dims, manual)
+          return loss, aux, jax.tree_util.tree_map(lambda g: g * scale, grads)
 
-      def one(mb):  # -> (loss, metrics, grads) of one microbatch
-        (_, (loss, aux)), grads = grad_fn(params, mb)
+        def scaled(p):
+          loss, aux = model.loss(p, mb, dtype, L.param_dims, manual)
+          return loss * scale, (loss, aux)
+        (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
         return loss, aux, grads
       if accum == 1:
         loss, aux, grads = one(batch)
       else:  # accumulate over microbatches in one scan: memory of one microbatch
         micro = jax.tree_util.tree_map(
             lambda x: x.reshape((accum, x.shape[0] // accum) + x.shape[1:]), batch)
+        vary = (lambda x: jax.lax.pcast(x, zero.DATA, to="varying")) if data_sharded and vma else (lambda x: x)
         zeros = jax.tree_util.tree_map(
-            lambda a: jax.lax.pcast(jnp.zeros(a.shape, a.dtype), zero.DATA, to="varying")
-            if sharded else jnp.zeros(a.shape, a.dtype),
+            lambda a: vary(jnp.zeros(a.shape, a.dtype)),
             jax.eval_shape(one, jax.tree_util.tree_map(lambda x: x[0], micro)))
         total, _ = jax.lax.scan(
             lambda acc, mb: (jax.tree_util.tree_map(jnp.add, acc, one(mb)), None), zeros, micro)
         loss, aux, grads = jax.tree_util.tree_map(lambda x: x / accum, total)
       if scale != 1.0:
         grads = jax.tree_util.tree_map(lambda g: g / scale, grads)
-      if not sharded:  # one data shard: nothing to reduce, and no shard_map is needed
+      if not data_sharded:  # one data shard: nothing to reduce over `data`
         return loss, aux, grads
       if stage < 3:
         grads = zero.scatter_mean(grads, L.dims, scatter=stage == 2)
-      else:  # already summed and scattered by the transpose of the all-gathers
-        grads = jax.tree_util.tree_map(lambda g: g / jax.lax.axis_size(zero.DATA), grads)
+      else:  # sharded leaves were summed and scattered by the transpose of their all-gathers;
+        # leaves too small to shard were summed by the vma transpose (jax.grad) or are summed here
+        n = jax.lax.axis_size(zero.DATA)
+        grads = jax.tree_util.tree_map(
+            lambda g, d: (g if d >= 0 or vma else jax.lax.psum(g, zero.DATA)) / n, grads, L.dims)
       loss, aux = jax.lax.pmean((loss, aux), zero.DATA)
       return loss, aux, grads
 
-    if not sharded:
+    if not manual:
       return local(params, batch)
-    data_spec = lambda tree: jax.tree_util.tree_map(_data_only, tree, is_leaf=lambda x: isinstance(x, P))
-    in_specs = (data_spec(L.params), jax.tree_util.tree_map(lambda _: P(zero.DATA), batch))
-    out_specs = (P(), P(), data_spec(L.grads))
+    keep = lambda tree: jax.tree_util.tree_map(lambda spec: _manual_only(spec, manual), tree,
+                                               is_leaf=lambda x: isinstance(x, P))
+    batch_spec = P(zero.DATA) if data_sharded else P()
+    in_specs = (keep(L.params), jax.tree_util.tree_map(lambda _: batch_spec, batch))
+    out_specs = (P(), P(), keep(L.grads))
     return jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                         axis_names=MANUAL)(params, batch)
+                         axis_names=manual, check_vma=vma)(params, batch)
 
   def step_fn(self, state: dict, batch: dict) -> tuple[dict, dict]:
     """One optimizer step on one global batch. Pure; `compiled_step` jits it."""

@@ -30,7 +30,9 @@ BAD = [
     (["--mesh", "1x1x1", "--set", "train.lr=-1"], "train.lr=-1.0 must not be negative"),
     (["--mesh", "1x1x1", "--config", "no/such/file.yaml"], "config file no/such/file.yaml does not exist"),
     (["--mesh", "1x1x1", "--set", "precision.compute_dtype=fp8"], "is not one of"),
-    (["--mesh", "1x1x2"], "pipeline parallelism"),
+    (["--mesh", "1x1x3"], "model.n_layers=4 is not divisible by 3 pipeline stages"),
+    (["--mesh", "1x1x2", "--set", "parallel.microbatches=3"], "per-replica batch 16 is not divisible by parallel.microbatches=3"),
+    (["--mesh", "1x1x2", "--set", "parallel.schedule=zigzag"], "parallel.schedule='zigzag' is not one of gpipe, circular, 1f1b"),
 ]
 
 

@@ -178,3 +178,29 @@ def n_params_nonembedding(cfg: ModelConfig) -> int:
   K = D // cfg.n_heads
   per_layer = 2 * D * D + 2 * D * G * K + D + G * K + D + 2 * D * F + F + D + 4 * D
   return L * per_layer + 2 * D
+
+
+def pipeline_grads(params: dict, micro: dict, cfg: ModelConfig, sched, dtype=jnp.float32,
+                   dims: Any = None, remat: bool = False, manual=frozenset()):
+  """Loss and gradients through the pipeline schedule `sched` (inside a shard_map over `pipeline`).
+
+  params: this stage's layers (leaves [L/P, ...]) and the replicated embeddings / head;
+  micro['tokens']: [M, b, T+1]. ZeRO-3 shards are gathered inside each use, so their gradients
+  come back reduce-scattered.
+  """
+  from jaxpar import pipeline
+  top = {k: v for k, v in params.items() if k != "layers"}
+  top_dims = None if dims is None else {k: v for k, v in dims.items() if k != "layers"}
+  layer_dims = None if dims is None else dims["layers"]
+
+  def embed_fn(t, mb):
+    return embed(zero.gather(t, top_dims), mb["tokens"][:, :-1], dtype)
+
+  def stage_fn(layers, x):
+    return run_layers(layers, x, cfg, layer_dims, remat, manual)
+
+  def loss_fn(t, x, mb):
+    return cross_entropy(head_logits(zero.gather(t, top_dims), x), mb["tokens"][:, 1:])
+  loss, g_layers, g_top = pipeline.execute(sched, params["layers"], top, micro, embed_fn, stage_fn,
+                                           loss_fn)
+  return loss, {}, {**g_top, "layers": g_layers}
