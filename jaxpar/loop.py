@@ -78,9 +78,27 @@ class _StopFlag:
       signal.signal(sig, old)
 
 
-def _global_batch(local: np.ndarray, sharding) -> dict:
-  """This process's rows -> one global array split over `data`."""
-  return {"tokens": jax.make_array_from_process_local_data(sharding, local)}
+def _global_batch(local: dict, shardings: dict) -> dict:
+  """This process's rows of every batch leaf -> global arrays split over `data`."""
+  return {k: jax.make_array_from_process_local_data(shardings[k], v) for k, v in local.items()}
+
+
+def _batch_abstract(element_spec: dict, process_count: int) -> dict:
+  """The global batch from one process's {name: (shape, dtype)}: leading axis x process_count."""
+  return {k: jax.ShapeDtypeStruct((shape[0] * process_count,) + tuple(shape[1:]), dtype)
+          for k, (shape, dtype) in element_spec.items()}
+
+
+def _eval_step(trainer: Trainer, batch_abstract: dict):
+  """jit: (params, global batch) -> {'loss': mean loss, **the model's metrics}; no gradients."""
+  model, dtype = trainer.model, trainer.compute_dtype
+
+  def fn(params, batch):
+    # Outside the shard_map the parameters are global arrays, so there is nothing to gather.
+    loss, aux = model.loss(params, batch, dtype, None, frozenset())
+    return {"loss": loss, **aux}
+  return jax.jit(fn, in_shardings=(trainer.state_shardings["params"],
+                                   trainer.batch_sharding(batch_abstract)))
 
 
 def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_file: str | None = None,
@@ -93,19 +111,22 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
   is_main = jax.process_index() == 0
 
   from jaxpar import checkpoint as jckpt
-  from jaxpar.data import make_batches
+  from jaxpar.data import make_loader
+  # Data before the workdir: a dataset that is missing or does not fit the model is bad input.
+  pi, pc = jax.process_index(), jax.process_count()
+  batches = make_loader(cfg, workdir, pi, pc)
+  evals = (make_loader(cfg, workdir, pi, pc, split=cfg.data.eval_split, train=False)
+           if cfg.train.eval_every else None)
   os.makedirs(workdir, exist_ok=True)
   ckpt = jckpt.Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.checkpoint.keep,
                             every=cfg.checkpoint.every)
-  batches = make_batches(cfg.data, cfg.model.seq_len, cfg.train.batch_size, cfg.train.seed, workdir,
-                         process_index=jax.process_index(), process_count=jax.process_count())
-  seq = cfg.model.seq_len
-  batch_abstract = {"tokens": jax.ShapeDtypeStruct((cfg.train.batch_size, seq + 1), np.int32)}
-  batch_sharding = trainer.batch_sharding(batch_abstract)["tokens"]
+  batch_abstract = _batch_abstract(batches.element_spec, pc)
+  batch_sharding = trainer.batch_sharding(batch_abstract)
 
   start = ckpt.latest_step()
   if start is not None:
     state, extra = ckpt.restore(start, trainer.abstract_state, trainer.state_shardings)
+    state = trainer.from_logical(state)
     batches.restore(extra["data"])
     log(f"resuming from the checkpoint at step {start} in {ckpt.directory}")
   else:
@@ -116,7 +137,8 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
   compile_s = time.perf_counter() - t0
   peak, peak_source = jmetrics.peak_flops_per_device()
   n_dev = trainer.mesh.size
-  tokens_per_step = cfg.train.batch_size * seq
+  # 0 for models that are not sequence models: they report examples/s only
+  tokens_per_step = cfg.train.batch_size * trainer.model.tokens_per_example
   flops_per_step = trainer.model.flops_per_example * cfg.train.batch_size
 
   logger = jmetrics.MetricsLogger(workdir if is_main else None, metrics_file if is_main else None,
@@ -128,8 +150,21 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
   timed_s, timed_steps = 0.0, 0
   step = start
   stopped = None
+  eval_step = None
 
-  def flush(now_step: int) -> None:
+  def evaluate(params) -> dict:
+    """Mean loss and metrics over the first train.eval_steps batches of data.eval_split."""
+    nonlocal eval_step
+    if eval_step is None:
+      eval_step = _eval_step(trainer, batch_abstract)
+    evals.restore({"epoch": 0, "position": 0})  # the same batches every time, so evals compare
+    n = min(cfg.train.eval_steps or evals.steps_per_epoch, evals.steps_per_epoch)
+    outs = jax.device_get([eval_step(params, _global_batch(evals.next(), batch_sharding))
+                           for _ in range(n)])
+    evals.close()
+    return {f"eval_{k}": float(np.mean([o[k] for o in outs])) for k in outs[0]}
+
+  def flush(now_step: int, extra: dict | None = None) -> None:
     """Fetches pending metrics (one host sync), checks them, logs the newest."""
     nonlocal interval_t, interval_steps, timed_s, timed_steps
     fetched = jax.device_get([m for _, m in pending])
@@ -147,11 +182,13 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
     if start > 0 or now_step > interval_steps:  # the first interval includes warm-up
       timed_s, timed_steps = timed_s + elapsed, timed_steps + interval_steps
     m = {k: float(v) for k, v in fetched[-1].items()}
-    tps = tokens_per_step / step_time
-    logger.log(now_step, {"loss": m.pop("loss"), "learning_rate": m.pop("learning_rate"),
-                          "grad_norm": m.pop("grad_norm"), "step_time_s": step_time,
-                          "tokens_per_sec": tps,
-                          "mfu": flops_per_step / step_time / (peak * n_dev), **m})
+    row = {"loss": m.pop("loss"), "learning_rate": m.pop("learning_rate"),
+           "grad_norm": m.pop("grad_norm"), "step_time_s": step_time,
+           "examples_per_sec": cfg.train.batch_size / step_time}
+    if tokens_per_step:
+      row["tokens_per_sec"] = tokens_per_step / step_time
+    logger.log(now_step, {**row, "mfu": flops_per_step / step_time / (peak * n_dev), **m,
+                          **(extra or {})})
     pending.clear()
     interval_t, interval_steps = time.perf_counter(), 0
 
@@ -164,10 +201,17 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
         pending.append((step, m))
         save_now = stop.requested or step == total or (
             cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
-        if step % cfg.train.log_every == 0 or save_now:
-          flush(step)
+        eval_now = evals is not None and step % cfg.train.eval_every == 0
+        extra = None
+        if eval_now:
+          jax.block_until_ready(m)  # the steps so far count as training time, the eval does not
+          t_eval = time.perf_counter()
+          extra = evaluate(trainer.to_logical(state)["params"])  # model.loss takes its own order
+          interval_t += time.perf_counter() - t_eval
+        if step % cfg.train.log_every == 0 or save_now or eval_now:
+          flush(step, extra)
         if save_now:
-          ckpt.maybe_save(step, state, {"data": batches.state(), "config": jconfig.to_dict(cfg)},
+          ckpt.maybe_save(step, trainer.to_logical(state), {"data": batches.state(), "config": jconfig.to_dict(cfg)},
                           force=True)
         if stop.requested:
           stopped = stop.requested
@@ -176,10 +220,12 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
       ckpt.wait()
       ckpt.close()
       batches.close()
+      if evals is not None:
+        evals.close()
 
   if stopped:
     log(f"received {stopped}: saved a checkpoint at step {step}; run again to resume")
-  tps = tokens_per_step * timed_steps / timed_s if timed_s else 0.0
+  eps = cfg.train.batch_size * timed_steps / timed_s if timed_s else 0.0
   mem = jmetrics.device_peak_memory_bytes()
   mem_source = "device memory_stats"
   if mem is None:
@@ -187,8 +233,10 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
     mem = int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
               - ma.alias_size_in_bytes)
     mem_source = "compiled memory_analysis (arguments + outputs + temps - aliased)"
-  summary = {"steps": step, "steps_this_run": step - start, "tokens_per_sec": tps,
-             "mfu": flops_per_step * tps / tokens_per_step / (peak * n_dev),
+  summary = {"steps": step, "steps_this_run": step - start, "examples_per_sec": eps,
+             **({"tokens_per_sec": eps * tokens_per_step / cfg.train.batch_size}
+                if tokens_per_step else {}),
+             "mfu": flops_per_step * eps / cfg.train.batch_size / (peak * n_dev),
              "peak_flops_per_device": peak, "peak_flops_source": peak_source,
              "peak_memory_bytes": mem, "peak_memory_source": mem_source,
              "compile_s": compile_s, "devices": n_dev,

@@ -123,9 +123,20 @@ def plan(cfg: Config, mesh_shape: str | Sequence[int],
       "collectives": hlo.collective_bytes(compiled.as_text()),
       "flops_per_step": hlo.flops(compiled),
       "model_flops_per_step": model.flops_per_example * cfg.train.batch_size,
+      "pipeline": _pipeline(trainer.schedule),
       "parameters": parameters,
       "config": to_dict(cfg),
   }
+
+
+def _pipeline(sched) -> dict | None:
+  """The executed schedule: its size, bubble and stage x tick chart (None without a pipeline)."""
+  if sched is None:
+    return None
+  return {"schedule": sched.name, "stages": sched.stages, "microbatches": sched.microbatches,
+          "virtual_stages": sched.virtual_stages, "ticks": sched.ticks,
+          "bubble_fraction": sched.bubble_fraction, "buffer_slots": sched.slots,
+          "chart": sched.chart()}
 
 
 def _mib(b: float) -> str:
@@ -172,4 +183,11 @@ def format_table(report: dict) -> str:
                "(XLA cost analysis, one device; loop bodies counted once)")
   lines.append(f"model_flops_per_step  {_flops(report['model_flops_per_step'])}  "
                "(analytic training FLOPs of one global batch, all devices)")
+  pipe = report.get("pipeline")
+  if pipe:
+    lines.append("")
+    lines.append(f"pipeline: {pipe['schedule']}, {pipe['stages']} stages, {pipe['microbatches']} "
+                 f"microbatches, {pipe['virtual_stages']} virtual stages, {pipe['ticks']} ticks, "
+                 f"bubble {pipe['bubble_fraction']:.3f} (idle stage-slots / all stage-slots)")
+    lines.append(pipe["chart"])
   return "\n".join(lines)

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -32,8 +33,9 @@ def _manual_only(spec: P, manual: frozenset) -> P:
 class Trainer:
   """Shardings, init and step for one model on one mesh under one config."""
 
-  def __init__(self, cfg: Config, mesh, model: ModelDef):
+  def __init__(self, cfg: Config, mesh, model: ModelDef, expose_grads: bool = False):
     self.cfg, self.mesh, self.model = cfg, mesh, model
+    self.expose_grads = expose_grads  # step metrics carry the reduced gradients (for tests)
     pc = cfg.parallel
     self.compute_dtype = precision.compute_dtype(cfg.precision)
     self.specs = rules.param_specs(model.abstract, model.logical, mesh)
@@ -66,10 +68,55 @@ class Trainer:
   def init(self, seed: int) -> dict:
     """The whole train state, created sharded: each device computes only its shards."""
     def init_fn(key):
-      params = self.model.init(key)
+      params = self._reorder(self.model.init(key), self.layer_order)
       return {"step": jnp.zeros((), jnp.int32), "params": params, "opt": self.tx.init(params)}
     with jax.set_mesh(self.mesh):
       return jax.jit(init_fn, out_shardings=self.state_shardings)(jax.random.key(seed))
+
+  # -- layer order -------------------------------------------------------------------------------
+  # The circular schedule runs chunk c (layers c·Lc ...) on stage c mod P, while the `pipeline`
+  # sharding gives each stage one contiguous block of the stack. So for circular the state keeps
+  # the stack in stage order (stage s's block holds chunks s, s+P, s+2P, ...) and checkpoints,
+  # which hold the model's own order, are converted on the way out and in.
+
+  @property
+  def layer_order(self) -> np.ndarray | None:
+    """order[q] = the model's layer stored at row q of the state's stack (None = identity)."""
+    sched = self.schedule
+    if sched is None or sched.virtual_stages == 1:
+      return None
+    P, V = sched.stages, sched.virtual_stages
+    L = jax.tree_util.tree_leaves(self.model.abstract["layers"])[0].shape[0]
+    Lc = L // (P * V)
+    chunks = [v * P + s for s in range(P) for v in range(V)]
+    return np.concatenate([np.arange(c * Lc, (c + 1) * Lc) for c in chunks])
+
+  @staticmethod
+  def _reorder(tree: Any, order: np.ndarray | None) -> Any:
+    """Rows of every leaf under a 'layers' key taken in `order` (params and optimizer moments)."""
+    if order is None:
+      return tree
+
+    def one(path, x):
+      under = any(getattr(k, "key", None) == "layers" for k in path)
+      return x[order] if under and x.ndim and x.shape[0] == len(order) else x
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+  def to_logical(self, state: dict) -> dict:
+    """The state with the layer stack in the model's own order (what checkpoints hold)."""
+    if self.layer_order is None:
+      return state
+    inverse = np.argsort(self.layer_order)
+    with jax.set_mesh(self.mesh):
+      return jax.jit(lambda s: self._reorder(s, inverse), out_shardings=self.state_shardings)(state)
+
+  def from_logical(self, state: dict) -> dict:
+    """Inverse of `to_logical`."""
+    if self.layer_order is None:
+      return state
+    with jax.set_mesh(self.mesh):
+      return jax.jit(lambda s: self._reorder(s, self.layer_order),
+                     out_shardings=self.state_shardings)(state)
 
   def batch_sharding(self, batch_abstract: Any) -> Any:
     """Every batch leaf is split over `data` on its leading axis."""
@@ -153,6 +200,8 @@ class Trainer:
     grad_norm = optax.global_norm(grads)
     metrics = {"loss": loss, "grad_norm": grad_norm,
                "learning_rate": self.lr_schedule(state["step"]), **aux}
+    if self.expose_grads:
+      metrics["grads"] = grads
     if self.cfg.train.skip_nonfinite:  # keep the old state; the loop counts the skipped steps
       ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)
