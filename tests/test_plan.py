@@ -117,7 +117,7 @@ def test_cli_json():
   assert r["bytes_per_device"]["params"] == sum(q["bytes_per_device"] for q in r["parameters"])
   wq = next(q for q in r["parameters"] if q["path"] == "layers/wq")
   assert wq["logical"] == ["layers", "embed", "heads"]
-  assert wq["spec"] == "P(None, None, 'model')" and wq["opt_spec"] == "P(None, 'data', 'model')"
+  assert wq["spec"] == "P('pipeline', None, 'model')" and wq["opt_spec"] == "P('pipeline', 'data', 'model')"
   assert r["flops_per_step"] > 0 and r["model_flops_per_step"] > 0
   assert r["compiled"]["argument_bytes"] > 0
 
