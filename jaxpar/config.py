@@ -36,9 +36,12 @@ class DataConfig:
   source: str = "local_text"  # local_text | tfds | synthetic
   name: str = ""  # TFDS dataset name when source=tfds
   split: str = "train"
-  data_dir: str = ""  # where TFDS datasets live / are built; "" = <workdir>/data
+  data_dir: str = ""  # local_text: built there, "" = <workdir>/data; tfds: "" = TFDS's default
   path: str = ""  # folder of text files for local_text; "" = this Python's standard library
   max_bytes: int = 8_000_000  # local_text: cap on bytes read from the folder (0 = no cap)
+  eval_split: str = "validation"  # split evaluated every train.eval_every steps
+  augment: bool = False  # images: random flips and 4-pixel crops of training batches
+  workers: int = 2  # background threads reading and transforming batches (0 = in the loop)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,8 @@ class TrainConfig:
   clip_norm: float = 1.0
   seed: int = 0
   log_every: int = 10
+  eval_every: int = 0  # evaluate on data.eval_split every N steps (0 = never)
+  eval_steps: int = 10  # batches per evaluation (0 = the whole split)
   skip_nonfinite: bool = False  # a step with a non-finite loss or gradient leaves the state as it was
 
 
@@ -104,7 +109,8 @@ _POSITIVE = ("model.n_layers", "model.d_model", "model.n_heads", "model.d_ff", "
              "train.grad_accum", "train.log_every", "parallel.microbatches",
              "parallel.virtual_stages", "checkpoint.keep")
 _NON_NEGATIVE = ("model.n_kv_heads", "train.warmup_steps", "train.weight_decay", "train.clip_norm",
-                 "checkpoint.every", "data.max_bytes", "train.lr")
+                 "checkpoint.every", "data.max_bytes", "train.lr", "data.workers",
+                 "train.eval_every", "train.eval_steps")
 
 
 def _field_types(cls) -> dict[str, Any]:

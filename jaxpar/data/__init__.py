@@ -1,6 +1,7 @@
-"""Data: byte-level text from a local folder (TFDS array_record) or synthetic bytes, batched."""
-from jaxpar.data.loader import (SEPARATOR, VOCAB_SIZE, BatchIterator, inputs_targets, make_batches,
-                                pack, synthetic_windows, tokenize)
+"""Data: local text, synthetic bytes or any prepared TFDS dataset, as per-host dict batches."""
+from jaxpar.data.loader import (SEPARATOR, VOCAB_SIZE, BatchIterator, TokenBatches, batch_spec,
+                                image_shape, inputs_targets, make_batches, make_loader, pack,
+                                synthetic_windows, tokenize)
 
-__all__ = ["SEPARATOR", "VOCAB_SIZE", "BatchIterator", "inputs_targets", "make_batches", "pack",
-           "synthetic_windows", "tokenize"]
+__all__ = ["SEPARATOR", "VOCAB_SIZE", "BatchIterator", "TokenBatches", "batch_spec", "image_shape",
+           "inputs_targets", "make_batches", "make_loader", "pack", "synthetic_windows", "tokenize"]

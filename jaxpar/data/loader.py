@@ -1,6 +1,7 @@
 """Byte-level tokens, packing into fixed windows, and a deterministic, resumable batch iterator.
 
 Numpy only: the caller passes jax.process_index()/process_count(), so this module never imports JAX.
+`make_loader` is what the training loop uses: dict batches for every data.source.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import zlib
 from typing import Iterable
 
 import numpy as np
+
+from jaxpar.config import ConfigError
 
 VOCAB_SIZE = 256  # token = byte value
 # NUL ends every document. local_text skips files that contain NUL, so the token is unambiguous.
@@ -211,10 +214,87 @@ def make_batches(data_cfg, seq_len: int, global_batch: int, seed: int, workdir: 
     windows = pack(local_text.read_texts(builder, split), seq_len)
     what = f"local_text split {split!r} ({builder.builder_config.description})"
   elif data_cfg.source == "tfds":
-    raise ValueError("data.source=tfds is not supported yet; use local_text or synthetic")
+    raise ValueError("data.source=tfds is not supported yet by make_batches, which yields token "
+                     "arrays; make_loader reads it")
   else:
     raise ValueError(f"unknown data.source {data_cfg.source!r}; use local_text or synthetic")
   if len(windows) < global_batch:
     raise ValueError(f"{what} yields {len(windows)} windows of seq_len + 1 = {seq_len + 1} tokens, "
                      f"fewer than one global batch of {global_batch}.")
   return BatchIterator(windows, global_batch, seed, process_index, process_count, prefetch)
+
+
+class TokenBatches:
+  """A BatchIterator's batches as {'tokens': [global_batch // process_count, seq_len + 1] int32}."""
+
+  def __init__(self, it: BatchIterator):
+    self._it = it
+    self.steps_per_epoch = it.steps_per_epoch
+    plan = it._plan
+    self.element_spec = {"tokens": ((plan.local, plan.windows.shape[1]), np.dtype(np.int32))}
+
+  def next(self) -> dict:
+    return {"tokens": self._it.next()}
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict:
+    return self.next()
+
+  def state(self) -> dict:
+    return self._it.state()
+
+  def restore(self, state: dict) -> None:
+    self._it.restore(state)
+
+  def close(self) -> None:
+    self._it.close()
+
+
+def make_loader(cfg, workdir: str, process_index: int = 0, process_count: int = 1,
+                split: str | None = None, train: bool = True):
+  """Dict batches of `split` (default data.split) for one process, for any data.source.
+
+  The result has next() -> {name: [global_batch // process_count, ...] array}, `element_spec`
+  ({name: (shape, dtype)} of those arrays), `steps_per_epoch`, state(), restore() and close().
+  `train=False` turns augmentation off. Bad data settings raise ConfigError.
+  """
+  split = split or cfg.data.split
+  if cfg.data.source == "tfds":
+    from jaxpar.data import tfds_source  # imports grain and TFDS only when needed
+    return tfds_source.make_batches(cfg, split, process_index, process_count, train)
+  if cfg.model.kind != "gpt":
+    raise ConfigError(f"model.kind={cfg.model.kind} needs images: set data.source=tfds and "
+                      f"data.name to an image dataset such as cifar10")
+  try:
+    it = make_batches(cfg.data, cfg.model.seq_len, cfg.train.batch_size, cfg.train.seed, workdir,
+                      process_index, process_count, split=split)
+  except ValueError as e:
+    raise ConfigError(str(e).rstrip(".")) from None
+  return TokenBatches(it)
+
+
+def image_shape(data_cfg) -> tuple[int, int, int]:
+  """(height, width, channels) of the configured image dataset; ConfigError if there is none."""
+  if data_cfg.source != "tfds":
+    raise ConfigError(f"model.kind=cnn needs images, but data.source={data_cfg.source} is text: "
+                      f"set data.source=tfds and data.name to an image dataset such as cifar10")
+  from jaxpar.data import tfds_source
+  ds = tfds_source.open_dataset(data_cfg.name, data_cfg.data_dir)
+  if ds.kind != "image":
+    raise ConfigError(f"model.kind=cnn needs images, but TFDS dataset {ds.name} is text")
+  return ds.image_shape
+
+
+def batch_spec(cfg) -> dict:
+  """{name: (shape, dtype)} of the global batch the model takes, from the config alone.
+
+  For tools that compile the step without reading data (plan.py); the loop uses its loader's
+  element_spec instead.
+  """
+  b = cfg.train.batch_size
+  if cfg.model.kind == "cnn":
+    return {"image": ((b, *image_shape(cfg.data)), np.dtype(np.float32)),
+            "label": ((b,), np.dtype(np.int32))}
+  return {"tokens": ((b, cfg.model.seq_len + 1), np.dtype(np.int32))}

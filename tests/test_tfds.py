@@ -1,0 +1,243 @@
+"""data.source=tfds through the real tfds.data_source path, on `tfds.testing.mock_data` examples."""
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import grain
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from jaxpar import config as jconfig
+from jaxpar.config import ConfigError
+from jaxpar.data import make_loader, pack, tfds_source
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY_GPT = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.d_ff=64",
+            "model.seq_len=16"]
+CIFAR = ["data.source=tfds", "data.name=cifar10", "model.kind=cnn", "train.batch_size=8"]
+
+
+def _cfg(*overrides):
+  return jconfig.load(None, list(overrides))
+
+
+@pytest.fixture
+def mock40():
+  """40 random examples in every split of every TFDS dataset."""
+  with tfds.testing.mock_data(num_examples=40):
+    yield
+
+
+def _ids(batch):
+  """One identity per example: the normalised image bytes (unique for random mock images)."""
+  return [img.tobytes() for img in batch["image"]]
+
+
+def _take(loader, n):
+  return [loader.next() for _ in range(n)]
+
+
+RUNS = {  # name -> (mock examples per split, train.py arguments)
+    "lm1b": (200, ["--set", "data.source=tfds", "data.name=lm1b", "train.batch_size=8", *TINY_GPT]),
+    "cifar10": (64, ["--config", str(ROOT / "configs" / "cifar10_cnn.yaml"), "--set",
+                     "train.batch_size=8", "train.eval_every=2", "train.eval_steps=2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """Both 3-step runs on 4x1x1, started together so their start-up and compiles overlap."""
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  started = {}
+  for name, (examples, args) in RUNS.items():
+    tmp = tmp_path_factory.mktemp(name)
+    cmd = [sys.executable, str(ROOT / "tests" / "mock_tfds_train.py"), str(examples), "--mesh",
+           "4x1x1", "--workdir", str(tmp / "wd"), "--metrics-file", str(tmp / "m.jsonl"),
+           "--steps", "3", "--no-progress", *args, "train.log_every=1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=ROOT)
+    started[name] = (proc, tmp / "m.jsonl")
+  yield started
+  for proc, _ in started.values():
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+
+
+def _rows(runs, name):
+  """(logged step rows, final row) of one run, after checking that it succeeded."""
+  proc, path = runs[name]
+  _, err = proc.communicate(timeout=240)
+  assert proc.returncode == 0, err
+  rows = [json.loads(line) for line in path.read_text().splitlines()]
+  return [r for r in rows if not r.get("final")], rows[-1]
+
+
+def test_lm1b_trains_three_steps(runs):
+  steps, final = _rows(runs, "lm1b")
+  assert [row["step"] for row in steps] == [1, 2, 3]
+  assert all(math.isfinite(row["loss"]) and row["tokens_per_sec"] > 0 for row in steps)
+  assert final["tokens_per_sec"] > 0 and final["examples_per_sec"] > 0
+
+
+def test_cifar10_trains_three_steps_and_logs_accuracy(runs):
+  steps, final = _rows(runs, "cifar10")
+  assert [row["step"] for row in steps] == [1, 2, 3]
+  for row in steps:
+    assert math.isfinite(row["loss"]) and 0.0 <= row["accuracy"] <= 1.0
+    assert row["examples_per_sec"] > 0 and "tokens_per_sec" not in row  # not a sequence model
+  assert 0.0 <= steps[1]["eval_accuracy"] <= 1.0 and math.isfinite(steps[1]["eval_loss"])
+  assert "tokens_per_sec" not in final and final["examples_per_sec"] > 0
+
+
+def test_unprepared_dataset_is_a_config_error_before_the_workdir(tmp_path):
+  from jaxpar import loop
+  cfg = _cfg("data.source=tfds", "data.name=lm1b", f"data.data_dir={tmp_path / 'tfds'}", *TINY_GPT)
+  with pytest.raises(ConfigError) as err:  # scripts print it as one line and exit with code 2
+    loop.run(cfg, (8, 1, 1), str(tmp_path / "wd"), progress=False)
+  message = str(err.value)
+  assert "TFDS dataset lm1b is not prepared in" in message and "\n" not in message
+  assert "tfds build lm1b --file_format=array_record" in message and "data.data_dir" in message
+  assert not (tmp_path / "wd").exists()
+
+
+def test_same_seed_same_batches_and_epochs_reshuffle(mock40):
+  a = make_loader(_cfg(*CIFAR), "")
+  b = make_loader(_cfg(*CIFAR), "")
+  assert a.steps_per_epoch == 5
+  assert a.element_spec == {"image": ((8, 32, 32, 3), np.dtype(np.float32)),
+                            "label": ((8,), np.dtype(np.int32))}
+  first, again = _take(a, 10), _take(b, 10)
+  for x, y in zip(first, again):
+    np.testing.assert_array_equal(x["image"], y["image"])
+    np.testing.assert_array_equal(x["label"], y["label"])
+  assert first[0]["image"].dtype == np.float32 and first[0]["label"].dtype == np.int32
+  epoch0 = sum((_ids(x) for x in first[:5]), [])
+  epoch1 = sum((_ids(x) for x in first[5:]), [])
+  assert len(set(epoch0)) == 40 and set(epoch0) == set(epoch1)  # every example once per epoch
+  assert epoch0 != epoch1  # in another order
+  other = make_loader(_cfg(*CIFAR, "train.seed=1"), "")
+  assert sum((_ids(x) for x in _take(other, 5)), []) != epoch0
+  for it in (a, b, other):
+    it.close()
+
+
+def test_restore_continues_the_exact_sequence(mock40):
+  cfg = _cfg(*CIFAR, "data.augment=true")
+  it = make_loader(cfg, "")
+  _take(it, 3)
+  state = it.state()
+  assert state == {"epoch": 0, "position": 3} and all(type(v) is int for v in state.values())
+  expected = _take(it, 9)  # crosses two epoch boundaries; augmentation included
+  resumed = make_loader(cfg, "")
+  resumed.restore(state)
+  for x, y in zip(_take(resumed, 9), expected):
+    np.testing.assert_array_equal(x["image"], y["image"])
+  assert resumed.state() == {"epoch": 2, "position": 2}
+  with pytest.raises(ValueError, match="does not fit 5 batches per epoch"):
+    resumed.restore({"epoch": 0, "position": 5})
+  it.close()
+  resumed.close()
+
+
+def test_shards_of_two_processes_are_disjoint_and_cover_the_split(mock40):
+  for n in (1, 2, 7, 40, 41):
+    for count in (2, 3):
+      ranges = [tfds_source.shard_range(n, grain.sharding.ShardOptions(i, count))
+                for i in range(count)]
+      keys = [k for lo, hi in ranges for k in range(lo, hi)]
+      assert keys == list(range(n))  # contiguous, disjoint, covering, in process order
+      sizes = [hi - lo for lo, hi in ranges]
+      assert max(sizes) - min(sizes) <= 1
+  cfg = _cfg(*CIFAR)
+  parts = [make_loader(cfg, "", process_index=i, process_count=2) for i in range(2)]
+  assert [p.steps_per_epoch for p in parts] == [5, 5]
+  assert parts[0].element_spec["image"][0][0] == 4  # half of the global batch
+  seen = [sum((_ids(p.next()) for _ in range(5)), []) for p in parts]
+  assert len(set(seen[0])) == len(set(seen[1])) == 20
+  assert not set(seen[0]) & set(seen[1])
+  whole = sum((_ids(x) for x in _take(make_loader(cfg, ""), 5)), [])
+  assert set(seen[0]) | set(seen[1]) == set(whole)
+  for p in parts:
+    p.close()
+
+
+def test_streamed_shards_match_the_cached_ones(mock40, monkeypatch):
+  cached = _take(make_loader(_cfg(*CIFAR), ""), 2)
+  monkeypatch.setattr(tfds_source, "CACHE_BYTES", 0)
+  streamed = _take(make_loader(_cfg(*CIFAR), ""), 2)
+  for x, y in zip(cached, streamed):
+    np.testing.assert_array_equal(x["image"], y["image"])
+    np.testing.assert_array_equal(x["label"], y["label"])
+
+
+def test_images_are_normalised_and_augmented(mock40):
+  plain = make_loader(_cfg(*CIFAR), "").next()["image"]
+  assert abs(plain.mean()) < 0.1 and abs(plain.std() - 1) < 0.1  # per-channel mean/std
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((16, 8, 8, 3)).astype(np.float32)
+  y = tfds_source.augment(x, np.random.default_rng(1), pad=2)
+  assert y.shape == x.shape and y.dtype == x.dtype and not np.array_equal(x, y)
+  # Each output is a shifted window of the (maybe flipped) input: its centre pixels survive.
+  for a, b in zip(x, y):
+    assert any(np.isin(b[2:6, 2:6], f).all() for f in (a, a[:, ::-1]))
+
+
+def test_text_is_packed_bytes_of_every_document(mock40):
+  source = tfds.data_source("lm1b", split="train")
+  docs = [source[i]["text"] for i in range(len(source))]
+  np.testing.assert_array_equal(tfds_source.pack_source(source, "text", 15, workers=2),
+                                pack(docs, 15))
+  it = make_loader(_cfg("data.source=tfds", "data.name=lm1b", "model.seq_len=15",
+                        "train.batch_size=4"), "")
+  batch = it.next()
+  assert batch["tokens"].shape == (4, 16) and batch["tokens"].dtype == np.int32
+  assert it.element_spec == {"tokens": ((4, 16), np.dtype(np.int32))}
+  it.close()
+
+
+def test_model_and_data_must_match(mock40):
+  with pytest.raises(ConfigError, match="model.kind=cnn needs images, but TFDS lm1b"):
+    make_loader(_cfg("data.source=tfds", "data.name=lm1b", "model.kind=cnn"), "")
+  with pytest.raises(ConfigError, match="model.kind=gpt needs text, but TFDS cifar10"):
+    make_loader(_cfg("data.source=tfds", "data.name=cifar10"), "")
+  with pytest.raises(ConfigError, match="is not a TFDS dataset"):
+    make_loader(_cfg("data.source=tfds", "data.name=no_such_dataset"), "")
+  with pytest.raises(ConfigError, match="fewer than its batch of 64"):
+    make_loader(_cfg(*CIFAR, "train.batch_size=64"), "")
+  with pytest.raises(ConfigError, match="model.kind=cnn needs images"):
+    make_loader(_cfg("model.kind=cnn"), "")
+
+
+def test_a_real_array_record_dataset_without_mocks(tmp_path):
+  from jaxpar.data import local_text
+  src = tmp_path / "src"
+  src.mkdir()
+  for i in range(60):  # 60 files: local_text makes a validation split too
+    (src / f"f{i:02d}.txt").write_text(f"document {i} " * 30)
+  builder = local_text.prepare(str(tmp_path / "tfds"), str(src), 0)
+  cfg = _cfg("data.source=tfds", f"data.name=local_text/{builder.builder_config.name}",
+             f"data.data_dir={tmp_path / 'tfds'}", "model.seq_len=31", "train.batch_size=4")
+  docs = local_text.read_texts(builder, "train")
+  windows = pack(docs, 31)
+  it = make_loader(cfg, "")
+  assert it.steps_per_epoch == len(windows) // 4
+  rows = {w.tobytes() for w in windows.astype(np.int32)}
+  assert all(row.tobytes() in rows for row in it.next()["tokens"])
+  assert make_loader(cfg, "", split="validation").steps_per_epoch >= 1
+  with pytest.raises(ConfigError, match=r"cannot read split 'nope' \(its splits: train, valid"):
+    make_loader(cfg, "", split="nope")
+  it.close()
+
+
+def test_batch_spec_matches_the_loaders(mock40):
+  from jaxpar.data import batch_spec
+  for cfg in (_cfg(*CIFAR), _cfg("data.source=tfds", "data.name=lm1b", "train.batch_size=4",
+                                 "model.seq_len=15")):
+    it = make_loader(cfg, "")
+    assert batch_spec(cfg) == it.element_spec  # one process: its share is the global batch
+    it.close()
