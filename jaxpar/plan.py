@@ -44,14 +44,14 @@ def _full_bytes(leaf: Any) -> int:
 
 
 def _model(cfg: Config) -> jmodel.ModelDef:
-  if cfg.model.kind != "gpt":
-    raise ConfigError(f"model.kind={cfg.model.kind} has no model definition to plan; valid: gpt")
-  return jmodel.gpt(cfg, param_dtype=precision.param_dtype(cfg.precision), remat=cfg.parallel.remat)
+  from jaxpar.loop import build_model  # the same model the training run builds
+  return build_model(cfg)
 
 
 def _batch_abstract(cfg: Config) -> dict:
-  """The global batch the step takes: tokens (batch_size, seq_len + 1) int32."""
-  return {"tokens": jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32)}
+  """The global batch the step takes, from the config alone (no data is read)."""
+  from jaxpar.data import batch_spec
+  return {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in batch_spec(cfg).items()}
 
 
 def plan(cfg: Config, mesh_shape: str | Sequence[int],
