@@ -8,6 +8,7 @@ import traceback
 from jaxpar import config as jconfig
 from jaxpar import mesh as jmesh
 from jaxpar.config import ConfigError
+from jaxpar.distributed import DistributedError
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -18,14 +19,19 @@ def add_common(p: argparse.ArgumentParser) -> None:
   p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
-def setup(args) -> tuple[jconfig.Config, tuple[int, int, int]]:
-  """Parses mesh and config, then (before JAX starts) simulates CPU devices if needed."""
+def setup(args, processes: int = 1) -> tuple[jconfig.Config, tuple[int, int, int]]:
+  """Parses mesh and config, then (before JAX starts) simulates this process's share of devices."""
   shape = jmesh.parse(args.mesh)
   cfg = jconfig.load(args.config, args.set)
   n = shape[0] * shape[1] * shape[2]
-  if n > 1 and jmesh.ensure_cpu_devices(n):
-    print(f"jaxpar: simulating {n} CPU devices for mesh {args.mesh} "
-          f"(XLA_FLAGS=--xla_force_host_platform_device_count={n})", file=sys.stderr)
+  if n % processes:
+    raise ConfigError(f"mesh {args.mesh} has {n} devices, which do not split evenly over "
+                      f"{processes} processes")
+  local = n // processes
+  if local > 1 and jmesh.ensure_cpu_devices(local):
+    each = f" in each of {processes} processes" if processes > 1 else ""
+    print(f"jaxpar: simulating {local} CPU devices{each} for mesh {args.mesh} "
+          f"(XLA_FLAGS=--xla_force_host_platform_device_count={local})", file=sys.stderr)
   return cfg, shape
 
 
@@ -38,7 +44,7 @@ def guard(body, debug: bool) -> int:
       traceback.print_exc()
     print(f"error: {e}", file=sys.stderr)
     return 2
-  except FloatingPointError as e:
+  except (FloatingPointError, DistributedError) as e:
     if debug:
       traceback.print_exc()
     print(f"error: {e}", file=sys.stderr)

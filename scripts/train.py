@@ -10,7 +10,7 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxpar import cli
+from jaxpar import cli, distributed
 
 
 def main(argv=None) -> int:
@@ -20,13 +20,22 @@ def main(argv=None) -> int:
   p.add_argument("--workdir", default="workdir", help="checkpoints, TensorBoard, built data")
   p.add_argument("--metrics-file", help="JSON Lines: one object per logged step, then a final one")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  distributed.add_flags(p)
   args = p.parse_args(argv)
 
   def body():
-    cfg, shape = cli.setup(args)
+    spec = distributed.resolve(args)
+    cfg, shape = cli.setup(args, processes=spec.num_processes)
+    distributed.initialize(spec)  # before anything touches the devices
+    distributed.preflight(cfg, shape)
     from jaxpar import loop
-    result = loop.run(cfg, shape, args.workdir, args.metrics_file, args.steps,
-                      progress=not args.no_progress)
+    log = print if distributed.is_main() else (lambda *a, **k: None)
+    try:
+      result = loop.run(cfg, shape, args.workdir, args.metrics_file, args.steps,
+                        progress=not args.no_progress, log=log)
+    except Exception as e:
+      distributed.exit_if_peer_lost(e)
+      raise
     return 0 if result.steps else 1
   return cli.guard(body, args.debug)
 

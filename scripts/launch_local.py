@@ -1,0 +1,220 @@
+"""Runs N processes of one program on this machine, joined on 127.0.0.1, each with its own devices.
+
+  python scripts/launch_local.py --processes 2 [--devices-per-process 4] -- \
+      scripts/train.py --mesh 2x4x1 ...
+
+Every output line is prefixed with its process's rank. When a process fails, the others are stopped
+(SIGTERM, then SIGKILL after --grace seconds) and the launcher exits with the first failure's code.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+ENV_COORDINATOR = "JAXPAR_COORDINATOR"  # the names jaxpar.distributed reads
+ENV_NUM_PROCESSES = "JAXPAR_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXPAR_PROCESS_ID"
+
+
+def free_port() -> int:
+  """A TCP port on 127.0.0.1 that nothing listens on right now."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def mesh_devices(command: list[str]) -> int | None:
+  """Devices of the `--mesh DxMxP` in `command`, if it has one."""
+  for i, word in enumerate(command):
+    spec = command[i + 1] if word == "--mesh" and i + 1 < len(command) else (
+        word[len("--mesh="):] if word.startswith("--mesh=") else None)
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)", spec or "")
+    if m:
+      return int(m[1]) * int(m[2]) * int(m[3])
+  return None
+
+
+def child_env(rank: int, processes: int, devices: int, coordinator: str) -> dict[str, str]:
+  """The environment of process `rank`: coordinator variables and its own simulated devices."""
+  env = dict(os.environ)
+  flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", ""))
+  env["XLA_FLAGS"] = f"{flags.strip()} --xla_force_host_platform_device_count={devices}".strip()
+  env.setdefault("JAX_PLATFORMS", "cpu")
+  env["PYTHONUNBUFFERED"] = "1"  # lines arrive as they are printed, not at exit
+  env.update({ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(processes),
+              ENV_PROCESS_ID: str(rank)})
+  return env
+
+
+def _pump(stream, out, prefix: bytes, lock: threading.Lock) -> None:
+  """Copies `stream` to `out` line by line, each line prefixed."""
+  for line in iter(stream.readline, b""):
+    with lock:
+      out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+      out.flush()
+  stream.close()
+
+
+def describe(code: int) -> str:
+  """'exit code 2' or 'signal SIGKILL' for a Popen return code."""
+  if code < 0:
+    try:
+      return f"signal {signal.Signals(-code).name}"
+    except ValueError:
+      return f"signal {-code}"
+  return f"exit code {code}"
+
+
+class Launcher:
+  """Starts the processes, relays their output, and stops all of them when one fails."""
+
+  def __init__(self, command: list[str], processes: int, devices: int, grace: float,
+               port: int | None = None):
+    self.command, self.processes, self.devices, self.grace = command, processes, devices, grace
+    self.coordinator = f"127.0.0.1:{port or free_port()}"
+    self.procs: list[subprocess.Popen] = []
+    self.threads: list[threading.Thread] = []
+    self.lock = threading.Lock()
+    self.interrupted = None
+
+  def say(self, text: str) -> None:
+    with self.lock:
+      sys.stderr.buffer.write(f"[launcher] {text}\n".encode())
+      sys.stderr.buffer.flush()
+
+  def start(self) -> None:
+    for rank in range(self.processes):
+      # Its own session, so a Ctrl-C in the terminal reaches the launcher only, which forwards it.
+      p = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           stdin=subprocess.DEVNULL, start_new_session=True,
+                           env=child_env(rank, self.processes, self.devices, self.coordinator))
+      self.procs.append(p)
+      for stream, out in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer)):
+        t = threading.Thread(target=_pump, args=(stream, out, f"[{rank}] ".encode(), self.lock),
+                             daemon=True)
+        t.start()
+        self.threads.append(t)
+    self.say("started " + ", ".join(f"process {r} as pid {p.pid}"
+                                    for r, p in enumerate(self.procs)))
+
+  def _signal(self, sig: int, ranks: list[int]) -> None:
+    for r in ranks:
+      try:
+        self.procs[r].send_signal(sig)
+      except ProcessLookupError:
+        pass
+
+  def stop(self, ranks: list[int]) -> None:
+    """SIGTERM to `ranks`, SIGKILL to those still running after the grace period."""
+    if not ranks:
+      return
+    self._signal(signal.SIGTERM, ranks)
+    deadline = time.monotonic() + self.grace
+    while time.monotonic() < deadline and any(self.procs[r].poll() is None for r in ranks):
+      time.sleep(0.05)
+    alive = [r for r in ranks if self.procs[r].poll() is None]
+    if alive:
+      self.say(f"process{'es' if len(alive) > 1 else ''} {', '.join(map(str, alive))} still "
+               f"running {self.grace:g} s after SIGTERM: sending SIGKILL")
+      self._signal(signal.SIGKILL, alive)
+      for r in alive:
+        self.procs[r].wait()
+
+  def wait(self) -> int:
+    """Waits for every process; the first non-zero code wins (signals as 128 + number)."""
+    first: tuple[int, int] | None = None  # (rank, Popen return code)
+    while True:
+      running = [r for r, p in enumerate(self.procs) if p.poll() is None]
+      if first is None:
+        failed = [r for r, p in enumerate(self.procs) if p.returncode not in (None, 0)]
+        if failed:
+          first = (failed[0], self.procs[failed[0]].returncode)
+          # Processes that fail together (e.g. the same bad config) need not be stopped.
+          settle = time.monotonic() + 1.0
+          while time.monotonic() < settle and any(self.procs[r].poll() is None for r in running):
+            time.sleep(0.05)
+          running = [r for r in running if self.procs[r].poll() is None]
+          if running:
+            self.say(f"process {first[0]} ended with {describe(first[1])} while "
+                     f"{'processes' if len(running) > 1 else 'process'} "
+                     f"{', '.join(map(str, running))} still ran: stopping "
+                     f"{'them' if len(running) > 1 else 'it'} (SIGTERM, then SIGKILL after "
+                     f"{self.grace:g} s)")
+            self.stop(running)
+            continue
+      if self.interrupted and running:
+        self.say(f"received {self.interrupted}: stopping all processes")
+        self.stop(running)
+        continue
+      if not running:
+        break
+      time.sleep(0.05)
+    for t in self.threads:
+      t.join(timeout=5)
+    if first is None:
+      return 0
+    rank, code = first
+    status = code if code > 0 else 128 - code
+    others = "; ".join(f"process {r} ended with {describe(p.returncode)}"
+                       for r, p in enumerate(self.procs) if r != rank)
+    self.say(f"process {rank} failed first ({describe(code)})" + (f"; {others}" if others else "")
+             + f"; exit code {status}")
+    return status
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  cut = argv.index("--") if "--" in argv else len(argv)
+  p = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      usage="%(prog)s --processes N [--devices-per-process K] [--grace S] -- SCRIPT [ARGS ...]")
+  p.add_argument("--processes", type=int, required=True, help="number of processes")
+  p.add_argument("--devices-per-process", type=int,
+                 help="simulated CPU devices each (default: the command's --mesh size / processes)")
+  p.add_argument("--grace", type=float, default=10.0,
+                 help="seconds between SIGTERM and SIGKILL when stopping processes")
+  p.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 (default: a free one)")
+  args = p.parse_args(argv[:cut])
+  command = argv[cut + 1:]
+  if not command:
+    p.error("give the command to run after --, e.g. -- scripts/train.py --mesh 2x4x1")
+  if args.processes < 1:
+    p.error(f"--processes={args.processes} must be at least 1")
+  devices = args.devices_per_process
+  if devices is None:
+    total = mesh_devices(command)
+    if total is not None and total % args.processes:
+      p.error(f"the command's mesh has {total} devices, which do not split evenly over "
+              f"{args.processes} processes")
+    devices = total // args.processes if total else 1
+  if devices < 1:
+    p.error(f"--devices-per-process={devices} must be at least 1")
+  if command[0].endswith(".py"):
+    command = [sys.executable, *command]
+
+  launcher = Launcher(command, args.processes, devices, args.grace, args.port)
+
+  def interrupt(signum, frame):
+    launcher.interrupted = signal.Signals(signum).name
+  signal.signal(signal.SIGINT, interrupt)
+  signal.signal(signal.SIGTERM, interrupt)
+  launcher.say(f"{args.processes} processes x {devices} CPU devices, coordinator "
+               f"{launcher.coordinator}: {' '.join(command)}")
+  try:
+    launcher.start()
+  except OSError as e:  # e.g. the command does not exist
+    launcher.say(f"cannot start {command[0]}: {e.strerror or e}")
+    launcher.stop([r for r, p in enumerate(launcher.procs) if p.poll() is None])
+    return 127
+  return launcher.wait()
+
+
+if __name__ == "__main__":
+  sys.exit(main())

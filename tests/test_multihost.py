@@ -1,0 +1,275 @@
+"""Several processes on loopback: same losses as one process, shared checkpoints, clear failures.
+
+The training runs are real processes joined by jax.distributed (gloo collectives on CPU). They
+compile with --xla_backend_optimization_level=0 and share a persistent compilation cache, which
+keeps the file fast on two cores; every comparison is between runs compiled alike.
+"""
+import json
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from jaxpar import distributed
+from jaxpar.config import ConfigError
+from jaxpar.data import BatchIterator
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TRAIN = str(ROOT / "scripts" / "train.py")
+LAUNCH = str(ROOT / "scripts" / "launch_local.py")
+TINY = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.d_ff=64",
+        "model.seq_len=16", "train.batch_size=8", "data.source=synthetic", "train.log_every=1",
+        "parallel.zero_stage=3", "precision.param_dtype=float32", "precision.compute_dtype=float32",
+        # A learning rate that does not depend on train.steps, which --steps sets per run.
+        "train.warmup_steps=0", "train.min_lr_ratio=1.0"]
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+  """The children's environment: no inherited devices, coordinator or cluster; a shared cache."""
+  e = {k: v for k, v in os.environ.items()
+       if not k.startswith(("JAXPAR_", "SLURM_", "OMPI_", "PMI_", "KUBERNETES_"))}
+  e.update({"XLA_FLAGS": FAST_COMPILE, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
+            "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"})
+  return e
+
+
+def run(args, env, timeout=240, extra_env=None):
+  return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                        env=dict(env, **(extra_env or {})), cwd=ROOT)
+
+
+def train_args(workdir, metrics, steps, mesh="2x4x1"):
+  return [TRAIN, "--mesh", mesh, "--steps", str(steps), "--workdir", str(workdir),
+          "--metrics-file", str(metrics), "--no-progress", "--set", *TINY]
+
+
+def one_process(workdir, metrics, steps, env, mesh="2x4x1"):
+  r = run(train_args(workdir, metrics, steps, mesh), env,
+          extra_env={"XLA_FLAGS": f"{FAST_COMPILE} --xla_force_host_platform_device_count=8"})
+  assert r.returncode == 0, r.stdout + r.stderr
+  return r
+
+
+def two_processes(workdir, metrics, steps, env, mesh="2x4x1"):
+  r = run([LAUNCH, "--processes", "2", "--", *train_args(workdir, metrics, steps, mesh)], env)
+  assert r.returncode == 0, r.stdout + r.stderr
+  return r
+
+
+def records(metrics):
+  lines = [json.loads(l) for l in pathlib.Path(metrics).read_text().splitlines()]
+  return [l for l in lines if not l.get("final")], [l for l in lines if l.get("final")]
+
+
+def losses(metrics):
+  steps, _ = records(metrics)
+  return {l["step"]: l["loss"] for l in steps}
+
+
+class Runs:
+  """The training runs the tests share, each started on first use."""
+  # One process trains 7 steps straight (the reference); two processes train steps 1-3, one
+  # process resumes their checkpoint for steps 4-5, and two processes resume that for 6-7.
+
+  def __init__(self, tmp, env):
+    self.tmp, self.env, self.done = tmp, env, {}
+
+  def get(self, name):
+    if name not in self.done:
+      getattr(self, "_" + name)()
+    return self.done[name]
+
+  def _reference(self):
+    m = self.tmp / "ref.jsonl"
+    one_process(self.tmp / "ref", m, 7, self.env)
+    self.done["reference"] = losses(m)
+
+  def _two_first(self):
+    m = self.tmp / "two_first.jsonl"
+    r = two_processes(self.tmp / "chain", m, 3, self.env)
+    self.done["two_first"] = (m, r)
+
+  def _one_resume(self):
+    self.get("two_first")
+    m = self.tmp / "one_resume.jsonl"
+    r = one_process(self.tmp / "chain", m, 5, self.env)
+    self.done["one_resume"] = (m, r)
+
+  def _two_resume(self):
+    self.get("one_resume")
+    m = self.tmp / "two_resume.jsonl"
+    r = two_processes(self.tmp / "chain", m, 7, self.env)
+    self.done["two_resume"] = (m, r)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, env):
+  return Runs(tmp_path_factory.mktemp("runs"), env)
+
+
+def rel(a, b):
+  return abs(a - b) / max(abs(b), 1e-12)
+
+
+def test_two_processes_train_like_one(runs):
+  ref = runs.get("reference")
+  metrics, r = runs.get("two_first")
+  got = losses(metrics)
+  assert sorted(got) == [1, 2, 3]
+  for step, loss in got.items():
+    assert rel(loss, ref[step]) <= 1e-6, (step, loss, ref[step])
+  steps, final = records(metrics)
+  assert [l["step"] for l in steps] == [1, 2, 3] and len(final) == 1  # written once, by process 0
+  assert "[0] steps: 3" in r.stdout and "[1] steps:" not in r.stdout
+
+
+def test_checkpoints_move_between_one_and_two_processes(runs):
+  ref = runs.get("reference")
+  m1, r1 = runs.get("one_resume")  # written by two processes, resumed by one
+  m2, r2 = runs.get("two_resume")  # written by one process, resumed by two
+  assert "resuming from the checkpoint at step 3" in r1.stdout
+  assert r2.stdout.count("resuming from the checkpoint at step 5") == 1  # process 0 only
+  for metrics, steps in ((m1, [4, 5]), (m2, [6, 7])):
+    got = losses(metrics)
+    assert sorted(got) == steps
+    for step in steps:
+      assert rel(got[step], ref[step]) <= 1e-5, (step, got[step], ref[step])
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_each_process_reads_its_own_share_of_an_epoch(processes):
+  windows = np.arange(64 * 5, dtype=np.uint8).reshape(64, 5) % 251
+  windows[:, 0] = np.arange(64)  # the first token names the window
+  whole = BatchIterator(windows, global_batch=8, seed=3, prefetch=0)
+  parts = [BatchIterator(windows, 8, 3, process_index=i, process_count=processes, prefetch=0)
+           for i in range(processes)]
+  seen = [[] for _ in range(processes)]
+  for _ in range(whole.steps_per_epoch):
+    batches = [p.next() for p in parts]
+    np.testing.assert_array_equal(np.concatenate(batches), whole.next())  # one global batch
+    for i, b in enumerate(batches):
+      seen[i].extend(b[:, 0].tolist())
+  for i in range(processes):
+    for j in range(i + 1, processes):
+      assert not set(seen[i]) & set(seen[j])
+  assert sorted(sum(seen, [])) == list(range(64))
+
+
+def test_a_lost_process_stops_the_launcher(tmp_path, env):
+  metrics, out_file, err_file = tmp_path / "m.jsonl", tmp_path / "out", tmp_path / "err"
+  args = train_args(tmp_path / "wd", metrics, 100000, mesh="2x1x1")
+  with open(out_file, "w") as out, open(err_file, "w") as err:
+    p = subprocess.Popen([sys.executable, LAUNCH, "--processes", "2", "--", *args], stdout=out,
+                         stderr=err, env=env, cwd=ROOT)
+  try:
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline and p.poll() is None:
+      if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+        break
+      time.sleep(0.2)
+    assert p.poll() is None, err_file.read_text()
+    pid = re.search(r"process 1 as pid (\d+)", err_file.read_text())
+    os.kill(int(pid[1]), signal.SIGKILL)
+    t0 = time.monotonic()
+    p.wait(timeout=120)
+    elapsed = time.monotonic() - t0
+  finally:
+    if p.poll() is None:
+      p.kill()
+  err = err_file.read_text()
+  assert p.returncode != 0 and elapsed < 120, err
+  rank0 = [l for l in err.splitlines() if l.startswith("[0] ") and "Gloo] Rank" not in l]
+  assert "lost process 1" in rank0[-1], err
+  assert "[launcher] process 1 failed first (signal SIGKILL)" in err
+
+
+def test_processes_with_different_configs_stop_before_training(tmp_path, env):
+  port = free_port()
+  procs = []
+  for rank, lr in ((0, "0.001"), (1, "0.002")):
+    e = dict(env, XLA_FLAGS=f"{FAST_COMPILE} --xla_force_host_platform_device_count=1",
+             JAXPAR_COORDINATOR=f"127.0.0.1:{port}", JAXPAR_NUM_PROCESSES="2",
+             JAXPAR_PROCESS_ID=str(rank))
+    args = [sys.executable, TRAIN, "--mesh", "2x1x1", "--workdir", str(tmp_path / "wd"),
+            "--no-progress", "--set", *TINY, f"train.lr={lr}"]
+    procs.append(subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=e, cwd=ROOT))
+  results = [p.communicate(timeout=120) for p in procs]
+  for rank, (p, (out, err)) in enumerate(zip(procs, results)):
+    assert p.returncode == 2, err
+    line = [l for l in err.splitlines() if l.startswith("error:")]
+    assert len(line) == 1 and "preflight: process 1 started with a different train.lr" in line[0]
+    assert f"process {rank} has train.lr={'0.001' if rank == 0 else '0.002'}" in line[0]
+  assert not (tmp_path / "wd").exists()
+
+
+def test_a_missing_coordinator_is_one_sentence_within_the_timeout(tmp_path, env):
+  port = free_port()
+  t0 = time.monotonic()
+  r = run([TRAIN, "--mesh", "2x1x1", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+           "--process-id", "1", "--init-timeout", "3", "--workdir", str(tmp_path / "wd")], env,
+          timeout=60)
+  assert r.returncode == 1 and time.monotonic() - t0 < 30
+  assert r.stderr.strip() == (f"error: process 1 of 2 could not join the coordinator at "
+                              f"127.0.0.1:{port} after 3 s: nothing answers at that address (is "
+                              f"process 0 running, is the address right and the port open "
+                              f"between the hosts?)")
+
+
+def test_launcher_stops_the_others_when_one_fails(tmp_path, env):
+  child = tmp_path / "child.py"
+  child.write_text(
+      "import os, sys, time\n"
+      "rank = os.environ['JAXPAR_PROCESS_ID']\n"
+      "print('hello', rank, os.environ['JAXPAR_NUM_PROCESSES'], os.environ['XLA_FLAGS'])\n"
+      "sys.exit(3) if rank == '1' else time.sleep(60)\n")
+  t0 = time.monotonic()
+  r = run([LAUNCH, "--processes", "2", "--devices-per-process", "3", "--", str(child)], env,
+          timeout=60)
+  assert r.returncode == 3 and time.monotonic() - t0 < 20
+  for rank in (0, 1):
+    assert f"[{rank}] hello {rank} 2 {FAST_COMPILE} --xla_force_host_platform_device_count=3" \
+        in r.stdout.splitlines()
+  assert "[launcher] process 1 failed first (exit code 3)" in r.stderr
+  assert "process 0 ended with signal SIGTERM; exit code 3" in r.stderr
+
+
+def test_resolve_flags_environment_and_launchers(monkeypatch):
+  monkeypatch.setattr(distributed, "_detect_cluster", lambda: None)
+  assert distributed.resolve(None, {}).num_processes == 1
+  env = {"JAXPAR_COORDINATOR": "h:1", "JAXPAR_NUM_PROCESSES": "4", "JAXPAR_PROCESS_ID": "3"}
+  s = distributed.resolve(None, env)
+  assert (s.coordinator, s.num_processes, s.process_id, s.source) == ("h:1", 4, 3, "environment")
+
+  class Args:
+    coordinator, num_processes, process_id = "x:2", None, 1
+    init_timeout, heartbeat_timeout = 5, None
+  s = distributed.resolve(Args, env)  # flags win over the environment, field by field
+  assert (s.coordinator, s.num_processes, s.process_id, s.init_timeout) == ("x:2", 4, 1, 5)
+  s = distributed.resolve(None, {"JAXPAR_COORDINATOR": "h:1", "OMPI_COMM_WORLD_SIZE": "8",
+                                 "OMPI_COMM_WORLD_RANK": "5"})
+  assert (s.num_processes, s.process_id) == (8, 5)
+  for bad, message in (({"JAXPAR_COORDINATOR": "nohost"}, "is not of the form HOST:PORT"),
+                       ({"JAXPAR_NUM_PROCESSES": "2", "JAXPAR_PROCESS_ID": "0"},
+                        "need the coordinator"),
+                       ({"JAXPAR_COORDINATOR": "h:1", "JAXPAR_NUM_PROCESSES": "2"}, "--process-id"),
+                       ({**env, "JAXPAR_PROCESS_ID": "4"}, "must be in 0..3"),
+                       ({**env, "JAXPAR_INIT_TIMEOUT": "soon"}, "is not a number of seconds")):
+    with pytest.raises(ConfigError, match=message):
+      distributed.resolve(None, bad)
