@@ -199,7 +199,10 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
         step += 1
         interval_steps += 1
         pending.append((step, m))
-        save_now = stop.requested or step == total or (
+        # Read once: a signal landing later in this iteration must not skip the save below yet
+        # still break out; it is handled after the next step.
+        stopping = stop.requested
+        save_now = stopping or step == total or (
             cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
         eval_now = evals is not None and step % cfg.train.eval_every == 0
         extra = None
@@ -213,8 +216,8 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
         if save_now:
           ckpt.maybe_save(step, trainer.to_logical(state), {"data": batches.state(), "config": jconfig.to_dict(cfg)},
                           force=True)
-        if stop.requested:
-          stopped = stop.requested
+        if stopping:
+          stopped = stopping
           break
     finally:
       ckpt.wait()

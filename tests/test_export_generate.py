@@ -1,0 +1,165 @@
+"""After training: sampling text (scripts/generate.py), safetensors export (scripts/export.py), and
+reading a checkpoint with plain orbax, without jaxpar."""
+import json
+import os
+import pathlib
+import random
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+import jaxpar
+from jaxpar import checkpoint, config, generate, loop
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.d_ff=64",
+        "model.seq_len=32", "train.batch_size=8", "train.lr=1e-2", "train.warmup_steps=2"]
+PROMPT = "the quick"
+
+
+def script(name, *args):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # a 1x1x1 mesh: one device
+  return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *map(str, args)],
+                        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  """A short local_text run on 8x1x1 (a folder of small text files): its workdir and params."""
+  base = tmp_path_factory.mktemp("trained")
+  text = base / "text"
+  text.mkdir()
+  rng = random.Random(0)
+  words = "the quick brown fox jumps over a lazy dog while sharded arrays train".split()
+  for i in range(4):
+    (text / f"doc{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(400)))
+  workdir = base / "wd"
+  cfg = config.load(None, TINY + [f"data.path={text}"])
+  result = loop.run(cfg, (8, 1, 1), str(workdir), steps=30, progress=False, log=lambda *a: None)
+  assert result.losses[30] < result.losses[1] - 1.0  # it learned something to sample from
+  return {"workdir": workdir, "cfg": cfg,
+          "params": checkpoint.read_state(str(workdir / "checkpoints"))["params"]}
+
+
+@pytest.fixture(scope="module")
+def greedy_1x1x1(run):
+  """scripts/generate.py's greedy text on one device."""
+  r = script("generate.py", "--workdir", run["workdir"], "--prompt", PROMPT,
+             "--max-new-tokens", 40, "--temperature", 0)
+  assert r.returncode == 0, r.stderr
+  return r.stdout
+
+
+def test_generate_script_writes_the_prompt_and_its_continuation(run, greedy_1x1x1):
+  assert greedy_1x1x1.startswith(PROMPT)
+  sampler = generate.Sampler(str(run["workdir"]), (8, 1, 1))
+  tokens = sampler.sample(PROMPT, max_new_tokens=40, temperature=0)
+  assert tokens.shape == (1, 40) and tokens.dtype == np.int32
+  assert ((tokens >= 0) & (tokens < 256)).all()
+  assert greedy_1x1x1 == PROMPT + generate.decode(tokens[0]) + "\n"
+
+
+def test_greedy_is_deterministic_on_any_mesh(run, greedy_1x1x1):
+  want = greedy_1x1x1[len(PROMPT):-1]
+  on8 = generate.Sampler(str(run["workdir"]), (8, 1, 1))
+  assert on8.generate(PROMPT, 40, temperature=0, seed=1) == [want]
+  assert on8.generate(PROMPT, 40, temperature=0, seed=2) == [want]  # the seed plays no part
+  # Tensor parallel, parameters split by ZeRO-3, and 3 samples padded to a multiple of data=2.
+  tp = generate.Sampler(str(run["workdir"]), (2, 4, 1), overrides=["parallel.zero_stage=3"])
+  spec = tp.params["layers"]["w1"].sharding.spec  # (layers, embed, mlp)
+  assert spec[1:] == ("data", "model"), spec
+  assert tp.generate(PROMPT, 40, temperature=0, num_samples=3) == [want] * 3
+  # top-k 1 leaves only the greedy choice, whatever the temperature.
+  assert tp.generate(PROMPT, 40, temperature=1.5, top_k=1, seed=3) == [want]
+
+
+def test_sampling_follows_the_seed(run):
+  sampler = generate.Sampler(str(run["workdir"]), (8, 1, 1))
+  a = sampler.sample(PROMPT, 40, temperature=1.0, seed=0, num_samples=2)
+  assert np.array_equal(a, sampler.sample(PROMPT, 40, temperature=1.0, seed=0, num_samples=2))
+  assert not np.array_equal(a[0], a[1])  # rows draw independently
+  assert not np.array_equal(a, sampler.sample(PROMPT, 40, temperature=1.0, seed=1, num_samples=2))
+
+
+def test_generate_bad_input_is_exit_2(run, tmp_path):
+  r = script("generate.py", "--workdir", tmp_path / "none", "--prompt", "x")
+  assert r.returncode == 2 and "Traceback" not in r.stderr
+  assert [l for l in r.stderr.splitlines() if l.startswith("error:")] == [
+      f"error: workdir {tmp_path / 'none'} holds no complete checkpoint "
+      f"(looked in {tmp_path / 'none' / 'checkpoints'})"]
+  with pytest.raises(config.ConfigError, match="--temperature=-1.0 must not be negative"):
+    generate.Sampler(str(run["workdir"]), (8, 1, 1)).sample("x", 4, temperature=-1.0)
+
+
+def test_export_writes_every_parameter_unsharded(run, tmp_path):
+  from safetensors.numpy import load_file
+  out = tmp_path / "export" / "model.safetensors"
+  r = script("export.py", "--workdir", run["workdir"], "--out", out)
+  assert r.returncode == 0, r.stderr
+  tensors = load_file(str(out))
+  want = {jaxpar.rules.path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(run["params"])}
+  assert set(tensors) == set(want) and "layers/wq" in tensors and "wte" in tensors
+  for name, x in want.items():
+    assert tensors[name].shape == x.shape and tensors[name].dtype == x.dtype, name
+    assert np.array_equal(tensors[name], x), name
+  info = json.loads((tmp_path / "export" / "model.json").read_text())
+  assert info["model"] == config.to_dict(run["cfg"])["model"]
+  assert info["jaxpar_version"] == jaxpar.__version__ and info["step"] == 30
+  assert info["n_params"] == sum(x.size for x in want.values())
+
+
+def test_export_bad_input_is_exit_2(run, tmp_path):
+  out = tmp_path / "m.safetensors"
+  r = script("export.py", "--workdir", tmp_path / "none", "--out", out)
+  assert r.returncode == 2 and "Traceback" not in r.stderr
+  assert len([l for l in r.stderr.splitlines() if l.startswith("error:")]) == 1
+  assert "holds no complete checkpoint" in r.stderr
+  r = script("export.py", "--workdir", run["workdir"], "--step", 7, "--out", out)
+  assert r.returncode == 2 and "has no checkpoint of step 7; it has steps 30" in r.stderr
+  assert not out.exists()
+
+
+PLAIN_ORBAX = """
+import json, sys
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+directory = sys.argv[1]
+manager = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
+step = manager.latest_step()
+path = f"{directory}/{step}/state"
+with ocp.PyTreeCheckpointer() as ckptr:
+  tree = ckptr.metadata(path).item_metadata.tree
+  as_numpy = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  state = ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
+with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
+  extra = ckptr.restore(f"{directory}/{step}/extra")
+print(json.dumps({
+    "step": step, "state_step": int(state["step"]), "model": extra["config"]["model"],
+    "params": {jax.tree_util.keystr(p): [list(x.shape), float(np.sum(x, dtype=np.float64))]
+               for p, x in jax.tree_util.tree_leaves_with_path(state["params"])},
+    "jaxpar_imported": any(m.split(".")[0] == "jaxpar" for m in sys.modules)}))
+"""
+
+
+def test_plain_orbax_reads_the_checkpoint_without_jaxpar(run, tmp_path):
+  (tmp_path / "read.py").write_text(textwrap.dedent(PLAIN_ORBAX))
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+  r = subprocess.run([sys.executable, str(tmp_path / "read.py"), str(run["workdir"] / "checkpoints")],
+                     capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+  assert r.returncode == 0, r.stderr
+  got = json.loads(r.stdout.splitlines()[-1])
+  assert not got["jaxpar_imported"]
+  assert got["step"] == 30 and got["state_step"] == 30
+  assert got["model"] == config.to_dict(run["cfg"])["model"]
+  want = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(run["params"])}
+  assert set(got["params"]) == set(want)
+  for key, x in want.items():
+    shape, total = got["params"][key]
+    assert tuple(shape) == x.shape, key
+    assert total == pytest.approx(float(np.sum(x, dtype=np.float64)), rel=1e-12, abs=1e-12), key

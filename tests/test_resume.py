@@ -1,0 +1,266 @@
+"""Resuming training: restarts, other meshes, SIGTERM, a save cut off by SIGKILL, non-finite losses.
+
+In-process runs use the 8 devices of conftest; scripts/train.py runs as a subprocess where a signal
+must reach it or where the mesh is one device.
+"""
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.experimental.compilation_cache import compilation_cache as cc
+
+from jaxpar import checkpoint, config, loop
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# warmup 2 and min_lr_ratio 1 make the learning rate independent of train.steps, so a run
+# extended from 6 to 12 steps sees the same rates as one that was asked for 12 from the start.
+TINY = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.d_ff=64",
+        "model.seq_len=16", "train.batch_size=8", "data.source=synthetic", "train.log_every=1",
+        "train.warmup_steps=2", "train.min_lr_ratio=1.0"]
+# ~3.3M parameters: 40 MB of state with the Adam moments, which takes orbax a few hundred ms to
+# write, so a kill lands inside a save.
+BIG = ["model.n_layers=4", "model.d_model=256", "model.n_heads=4", "model.d_ff=1024"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compilation_cache(tmp_path_factory):
+  """A persistent compilation cache for this file's runs, in process and in subprocesses.
+
+  Most runs here compile a program an earlier run compiled already (the same init, or the same
+  step on the same mesh); the cache keeps the file's time to about one compile per program.
+  """
+  directory = str(tmp_path_factory.mktemp("jax_cache"))
+  before = jax.config.jax_persistent_cache_min_compile_time_secs
+  cc.set_cache_dir(directory)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  cc.reset_cache()  # JAX decides once whether to use a cache; make it look again
+  yield directory
+  jax.config.update("jax_compilation_cache_dir", None)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+  cc.reset_cache()
+
+
+def run(workdir, *overrides, mesh=(8, 1, 1), steps):
+  """loop.run in this process -> (RunResult, everything it logged as one string)."""
+  logged = []
+  cfg = config.load(None, TINY + list(overrides))
+  result = loop.run(cfg, mesh, str(workdir), None, steps=steps, progress=False,
+                    log=logged.append)
+  return result, "\n".join(logged)
+
+
+def _env():
+  # train.py picks the device count for its mesh; conftest's 8 would not fit 1x1x1.
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+  return env
+
+
+def train_args(workdir, metrics, steps, *overrides):
+  """scripts/train.py on one device (1x1x1) with TINY and `overrides`."""
+  return [sys.executable, str(ROOT / "scripts" / "train.py"), "--mesh", "1x1x1", "--workdir",
+          str(workdir), "--metrics-file", str(metrics), "--steps", str(steps), "--no-progress",
+          "--set", *TINY, *overrides]
+
+
+def train(*args, **kwargs):
+  r = subprocess.run(train_args(*args, **kwargs), capture_output=True, text=True, timeout=300,
+                     env=_env(), cwd=ROOT)
+  assert r.returncode == 0, r.stderr
+  return r
+
+
+def start_train(*args, **kwargs):
+  return subprocess.Popen(train_args(*args, **kwargs), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+
+
+def rows(metrics):
+  """The metrics file's complete lines (a line being written is skipped)."""
+  if not os.path.exists(metrics):
+    return []
+  out = []
+  for line in pathlib.Path(metrics).read_text().splitlines():
+    try:
+      out.append(json.loads(line))
+    except json.JSONDecodeError:
+      pass
+  return out
+
+
+def losses(metrics):
+  return {r["step"]: r["loss"] for r in rows(metrics) if not r.get("final")}
+
+
+def wait_until(condition, proc, timeout=240, poll=0.002):
+  """Polls `condition()` until true; fails if `proc` exits first or time runs out."""
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    value = condition()
+    if value:
+      return value
+    if proc.poll() is not None:
+      out, err = proc.communicate()
+      pytest.fail(f"train.py exited with {proc.returncode} first:\n{out}\n{err}")
+    time.sleep(poll)
+  proc.kill()
+  pytest.fail("timed out waiting for train.py")
+
+
+def latest_step(workdir):
+  with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), keep=1, every=0) as ckpt:
+    return ckpt.latest_step(), ckpt.all_steps()
+
+
+def params_finite(workdir, step):
+  params = checkpoint.read_state(os.path.join(workdir, "checkpoints"), step)["params"]
+  return all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(params))
+
+
+def close(a, b, rtol):
+  return abs(a - b) <= rtol * abs(b)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """Losses of 12 uninterrupted steps on 8x1x1: {step: loss}."""
+  result, _ = run(tmp_path_factory.mktemp("straight"), steps=12)
+  assert sorted(result.losses) == list(range(1, 13))
+  return result.losses
+
+
+def test_restart_continues_the_straight_run(tmp_path, straight):
+  first, log = run(tmp_path, "checkpoint.every=3", steps=6)
+  assert "resuming" not in log
+  assert latest_step(tmp_path) == (6, [3, 6])
+  second, log = run(tmp_path, "checkpoint.every=3", steps=12)
+  assert "resuming from the checkpoint at step 6" in log
+  assert sorted(second.losses) == list(range(7, 13))
+  for s in range(1, 13):
+    got = first.losses[s] if s <= 6 else second.losses[s]
+    assert close(got, straight[s], 1e-6), (s, got, straight[s])
+  assert second.summary["steps"] == 12 and second.summary["steps_this_run"] == 6
+
+
+def test_resume_on_another_mesh_and_zero_stage(tmp_path, straight):
+  saved = tmp_path / "saved"
+  run(saved, "parallel.zero_stage=3", mesh=(2, 4, 1), steps=4)
+  assert latest_step(saved)[0] == 4
+  # Each resume writes step 5 into its workdir, so each gets its own copy of the checkpoint.
+  on8, on1 = tmp_path / "on8", tmp_path / "on1"
+  shutil.copytree(saved, on8)
+  shutil.copytree(saved, on1)
+
+  result, log = run(on8, "parallel.zero_stage=1", mesh=(8, 1, 1), steps=5)
+  assert "resuming from the checkpoint at step 4" in log
+  assert sorted(result.losses) == [5]
+  assert close(result.losses[5], straight[5], 1e-5), (result.losses[5], straight[5])
+
+  r = train(on1, tmp_path / "on1.jsonl", 5, "parallel.zero_stage=0")
+  assert "resuming from the checkpoint at step 4" in r.stdout
+  got = losses(tmp_path / "on1.jsonl")
+  assert sorted(got) == [5]
+  assert close(got[5], straight[5], 1e-5), (got[5], straight[5])
+
+
+def test_sigterm_checkpoints_the_current_step_and_exits_0(tmp_path):
+  workdir, metrics = tmp_path / "wd", tmp_path / "m.jsonl"
+  proc = start_train(workdir, metrics, 5000)  # far more steps than the test waits for
+  wait_until(lambda: len(losses(metrics)) >= 3, proc)
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 0, err
+  last = max(losses(metrics))
+  assert 3 <= last < 5000
+  final = rows(metrics)[-1]
+  assert final["final"] and final["interrupted"] and final["steps"] == last
+  assert f"received SIGTERM: saved a checkpoint at step {last}" in out
+  assert latest_step(workdir)[0] == last
+
+  r = train(workdir, tmp_path / "again.jsonl", last + 2)
+  assert f"resuming from the checkpoint at step {last}" in r.stdout
+  assert sorted(losses(tmp_path / "again.jsonl")) == [last + 1, last + 2]
+  assert latest_step(workdir)[0] == last + 2
+
+
+def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
+  workdir, metrics = tmp_path / "wd", tmp_path / "killed.jsonl"
+  ckdir = workdir / "checkpoints"
+  proc = start_train(workdir, metrics, 200, *BIG, "checkpoint.every=1")
+
+  def saving():
+    """The step whose save is in flight, once two saves have completed; else None."""
+    names = os.listdir(ckdir) if ckdir.is_dir() else []
+    tmp = [n for n in names if ".orbax-checkpoint-tmp" in n]
+    if tmp and sum(n.isdigit() for n in names) >= 2:
+      return int(tmp[0].split(".")[0])
+    return None
+  in_flight = wait_until(saving, proc)
+  proc.kill()
+  proc.communicate(timeout=60)
+  assert any(".orbax-checkpoint-tmp" in n for n in os.listdir(ckdir)), "the save was not cut off"
+  latest, steps = latest_step(workdir)
+  assert latest == in_flight - 1 and in_flight not in steps
+  killed = losses(metrics)
+  assert in_flight in killed  # the loop logs a step before saving it
+
+  resumed = tmp_path / "resumed.jsonl"
+  r = train(workdir, resumed, in_flight + 1, *BIG, "checkpoint.every=1")
+  assert f"resuming from the checkpoint at step {latest}" in r.stdout
+  again = losses(resumed)
+  assert sorted(again) == [in_flight, in_flight + 1]
+  for s in sorted(set(again) & set(killed)):
+    assert close(again[s], killed[s], 1e-6), (s, again[s], killed[s])
+  assert not [n for n in os.listdir(ckdir) if ".orbax-checkpoint-tmp" in n]  # cleaned by the save
+
+
+def _train_main():
+  spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.main
+
+
+# lr 1e6 without clipping: the loss explodes within a few steps, then the gradient overflows.
+DIVERGE = ["train.lr=1e6", "train.clip_norm=0", "train.warmup_steps=0", "checkpoint.every=1"]
+
+
+def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+  workdir, metrics = tmp_path / "wd", tmp_path / "m.jsonl"
+  main = _train_main()
+  code = main(["--mesh", "8x1x1", "--workdir", str(workdir), "--metrics-file", str(metrics),
+               "--steps", "10", "--no-progress", "--set", *TINY, *DIVERGE])
+  err = capsys.readouterr().err
+  assert code == 1, err
+  errors = [line for line in err.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and "Traceback" not in err, err
+  bad = int(errors[0].split(" at step ")[1].split(";")[0])
+  assert 2 <= bad < 10, errors[0]
+  latest, steps = latest_step(workdir)
+  assert latest == bad - 1  # every step is saved; the bad one is not
+  for s in steps:
+    assert params_finite(workdir, s), s
+  assert max(losses(metrics)) == bad - 1
+
+  workdir, metrics = tmp_path / "skip", tmp_path / "skip.jsonl"
+  code = main(["--mesh", "8x1x1", "--workdir", str(workdir), "--metrics-file", str(metrics),
+               "--steps", "10", "--no-progress", "--set", *TINY, *DIVERGE,
+               "train.skip_nonfinite=true"])
+  out = capsys.readouterr().out
+  assert code == 0
+  final = rows(metrics)[-1]
+  assert final["final"] and final["steps"] == 10
+  assert final["skipped_steps"] >= 1 and f"skipped_steps: {final['skipped_steps']}" in out
+  skipped = [r["step"] for r in rows(metrics) if r.get("skipped")]
+  assert len(skipped) == final["skipped_steps"] and min(skipped) == bad  # the step that stopped
+  assert latest_step(workdir)[0] == 10 and params_finite(workdir, 10)
