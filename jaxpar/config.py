@@ -67,7 +67,7 @@ class TrainConfig:
 class ParallelConfig:
   zero_stage: int = 0
   offload_optimizer: bool = False
-  microbatches: int = 1
+  microbatches: int = 0  # pipeline microbatches per step; 0 = 2 x the pipeline degree
   schedule: str = "gpipe"  # gpipe | circular | 1f1b
   virtual_stages: int = 1
   remat: bool = False
@@ -106,9 +106,9 @@ _CHOICES = {
 }
 _POSITIVE = ("model.n_layers", "model.d_model", "model.n_heads", "model.d_ff", "model.vocab_size",
              "model.seq_len", "model.num_classes", "train.steps", "train.batch_size",
-             "train.grad_accum", "train.log_every", "parallel.microbatches",
+             "train.grad_accum", "train.log_every",
              "parallel.virtual_stages", "checkpoint.keep")
-_NON_NEGATIVE = ("model.n_kv_heads", "train.warmup_steps", "train.weight_decay", "train.clip_norm",
+_NON_NEGATIVE = ("model.n_kv_heads", "parallel.microbatches", "train.warmup_steps", "train.weight_decay", "train.clip_norm",
                  "checkpoint.every", "data.max_bytes", "train.lr", "data.workers",
                  "train.eval_every", "train.eval_steps")
 
@@ -197,6 +197,11 @@ def validate(cfg: Config) -> Config:
   if cfg.data.source == "tfds" and not cfg.data.name:
     raise ConfigError("data.source=tfds needs data.name (a TFDS dataset name, e.g. lm1b)")
   return cfg
+
+
+def microbatches(cfg: Config, stages: int) -> int:
+  """parallel.microbatches, with 0 meaning 2 x the pipeline degree (1 without a pipeline)."""
+  return cfg.parallel.microbatches or (2 * stages if stages > 1 else 1)
 
 
 def get(cfg: Config, key: str) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import re
 
-from jaxpar.config import Config, ConfigError
+from jaxpar.config import Config, ConfigError, microbatches
 
 AXES = ("data", "model", "pipeline")
 
@@ -60,9 +60,10 @@ def check(shape: tuple[int, int, int], cfg: Config, n_devices: int) -> None:
       problems.append(f"model.n_layers={mc.n_layers} is not divisible by {stages} pipeline stages")
   elif p > 1:
     problems.append(f"model.kind={mc.kind} has no layers to pipeline, use pipeline=1")
-  if p > 1 and (micro // d) % pc.microbatches:
+  n_micro = microbatches(cfg, p)
+  if p > 1 and (micro // d) % n_micro:
     problems.append(f"per-replica batch {micro // d} is not divisible by "
-                    f"parallel.microbatches={pc.microbatches}")
+                    f"parallel.microbatches={n_micro}")
   if problems:
     raise ConfigError(f"mesh {d}x{m}x{p} ({named}) does not fit: " + "; ".join(problems))
 

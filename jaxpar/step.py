@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import optim, pipeline, precision, rules, zero
-from jaxpar.config import Config, ConfigError
+from jaxpar.config import Config, ConfigError, microbatches
 from jaxpar.model import ModelDef
 
 PIPE = "pipeline"
@@ -47,7 +47,8 @@ class Trainer:
     if n_stages > 1:
       if model.pipeline is None:
         raise ConfigError("this model has no pipeline form; use a mesh with pipeline=1")
-      self.schedule = pipeline.build(pc.schedule, n_stages, pc.microbatches, pc.virtual_stages)
+      self.schedule = pipeline.build(pc.schedule, n_stages, microbatches(cfg, n_stages),
+                                     pc.virtual_stages)
     opt_abstract = jax.eval_shape(self.tx.init, model.abstract)
     opt_specs = zero.opt_state_specs(opt_abstract, model.abstract, self.layout.opt)
     self.state_specs = {"step": P(), "params": self.layout.params, "opt": opt_specs}
