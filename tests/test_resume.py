@@ -66,9 +66,9 @@ def _env():
   return env
 
 
-def train_args(workdir, metrics, steps, *overrides):
-  """scripts/train.py on one device (1x1x1) with TINY and `overrides`."""
-  return [sys.executable, str(ROOT / "scripts" / "train.py"), "--mesh", "1x1x1", "--workdir",
+def train_args(workdir, metrics, steps, *overrides, mesh="1x1x1"):
+  """scripts/train.py on `mesh` (default one device) with TINY and `overrides`."""
+  return [sys.executable, str(ROOT / "scripts" / "train.py"), "--mesh", mesh, "--workdir",
           str(workdir), "--metrics-file", str(metrics), "--steps", str(steps), "--no-progress",
           "--set", *TINY, *overrides]
 
@@ -157,9 +157,9 @@ def test_resume_on_another_mesh_and_zero_stage(tmp_path, straight):
   run(saved, "parallel.zero_stage=3", mesh=(2, 4, 1), steps=4)
   assert latest_step(saved)[0] == 4
   # Each resume writes step 5 into its workdir, so each gets its own copy of the checkpoint.
-  on8, on1 = tmp_path / "on8", tmp_path / "on1"
-  shutil.copytree(saved, on8)
-  shutil.copytree(saved, on1)
+  on8, on1, on2 = tmp_path / "on8", tmp_path / "on1", tmp_path / "on2"
+  for d in (on8, on1, on2):
+    shutil.copytree(saved, d)
 
   result, log = run(on8, "parallel.zero_stage=1", mesh=(8, 1, 1), steps=5)
   assert "resuming from the checkpoint at step 4" in log
@@ -169,6 +169,13 @@ def test_resume_on_another_mesh_and_zero_stage(tmp_path, straight):
   r = train(on1, tmp_path / "on1.jsonl", 5, "parallel.zero_stage=0")
   assert "resuming from the checkpoint at step 4" in r.stdout
   got = losses(tmp_path / "on1.jsonl")
+  assert sorted(got) == [5]
+  assert close(got[5], straight[5], 1e-5), (got[5], straight[5])
+
+  # two pipeline stages (1F1B): each stage restores its block of the layer stack
+  r = train(on2, tmp_path / "on2.jsonl", 5, "parallel.schedule=1f1b", mesh="1x1x2")
+  assert "resuming from the checkpoint at step 4" in r.stdout
+  got = losses(tmp_path / "on2.jsonl")
   assert sorted(got) == [5]
   assert close(got[5], straight[5], 1e-5), (got[5], straight[5])
 
