@@ -103,6 +103,13 @@ def param_specs(abstract: Any, logical: Any, mesh, rules=RULES) -> Any:
                                           is_leaf=lambda x: isinstance(x, tuple))
 
 
+def is_split(logical: str, rules=RULES) -> bool:
+  """True when the mesh in context splits the logical axis `logical` over more than one device."""
+  mesh = jax.sharding.get_abstract_mesh()
+  axis = dict(rules).get(logical)
+  return not mesh.empty and axis in mesh.axis_names and mesh.shape[axis] > 1
+
+
 def constrain(x: jax.Array, logical: Logical, rules=RULES, manual: frozenset = frozenset()) -> jax.Array:
   """Activation sharding constraint by logical names; mesh axes in `manual` are left out.
 

@@ -20,7 +20,7 @@ from flax import nnx
 
 from jaxpar import zero
 from jaxpar.config import ModelConfig
-from jaxpar.rules import constrain
+from jaxpar.rules import constrain, is_split
 
 
 class Layers(nnx.Module):
@@ -93,15 +93,21 @@ def block(p: dict, x: jax.Array, cfg: ModelConfig, manual=frozenset()) -> jax.Ar
   w = lambda name: p[name].astype(dt)
 
   h = layer_norm(x, p["ln1_scale"], p["ln1_bias"]).reshape(B * T, D)  # (B*T, D)
-  R = H // G  # query heads per kv head
-  # q, k and v in one matmul, grouped by kv head (column-parallel over heads): its transpose is
-  # one partial sum, so the backward needs one all-reduce over `model`, not three.
-  wqkv = jnp.concatenate([w("wq").reshape(D, G, R * K), w("wk").reshape(D, G, K),
-                          w("wv").reshape(D, G, K)], axis=-1)  # (D, G, (R+2)K)
-  qkv = jnp.einsum("nd,dgj->ngj", h, wqkv)  # (B*T, G, (R+2)K)
-  q = (qkv[..., :R * K].reshape(B * T, H * K) + w("bq")).reshape(B, T, H, K)
-  k = qkv[..., R * K:(R + 1) * K].reshape(B, T, G, K)
-  v = (qkv[..., (R + 1) * K:].reshape(B * T, G * K) + w("bv")).reshape(B, T, G, K)
+  if is_split("heads"):
+    R = H // G  # query heads per kv head
+    # q, k and v in one matmul, grouped by kv head (column-parallel over heads): its transpose is
+    # one partial sum, so the backward needs one all-reduce over `model`, not three.
+    wqkv = jnp.concatenate([w("wq").reshape(D, G, R * K), w("wk").reshape(D, G, K),
+                            w("wv").reshape(D, G, K)], axis=-1)  # (D, G, (R+2)K)
+    qkv = jnp.einsum("nd,dgj->ngj", h, wqkv)  # (B*T, G, (R+2)K)
+    q = qkv[..., :R * K].reshape(B * T, H * K)
+    k = qkv[..., R * K:(R + 1) * K].reshape(B * T, G * K)
+    v = qkv[..., (R + 1) * K:].reshape(B * T, G * K)
+  else:  # without tensor parallelism the joined weight would only cost a copy per layer
+    q, k, v = h @ w("wq"), h @ w("wk"), h @ w("wv")
+  q = (q + w("bq")).reshape(B, T, H, K)
+  k = k.reshape(B, T, G, K)
+  v = (v + w("bv")).reshape(B, T, G, K)
   q = constrain(q, ("batch", "seq", "heads", "kv"), manual=manual)
   a = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, H, K)
   a = a.reshape(B * T, H * K) @ w("wo") + w("bo")  # row-parallel: all-reduce over model
