@@ -41,6 +41,7 @@ class DataConfig:
   max_bytes: int = 8_000_000  # local_text: cap on bytes read from the folder (0 = no cap)
   eval_split: str = "validation"  # split evaluated every train.eval_every steps
   augment: bool = False  # images: random flips and 4-pixel crops of training batches
+  tokenizer: str = ""  # tfds text: a `tokenizers` JSON file (tokenizer.json); "" = byte-level
   workers: int = 2  # background threads reading and transforming batches (0 = in the loop)
 
 

@@ -241,3 +241,29 @@ def test_batch_spec_matches_the_loaders(mock40):
     it = make_loader(cfg, "")
     assert batch_spec(cfg) == it.element_spec  # one process: its share is the global batch
     it.close()
+
+
+def test_text_with_a_tokenizers_file(mock40, tmp_path):
+  from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+  source = tfds.data_source("lm1b", split="train")
+  docs = [source[i]["text"] for i in range(len(source))]
+  docs = [d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d for d in docs]
+  tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.train_from_iterator(docs, trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>"]))
+  path = str(tmp_path / "tokenizer.json")
+  tok.save(path)
+  eos = tok.token_to_id("</s>")
+  stream = sum((tok.encode(d, add_special_tokens=False).ids + [eos] for d in docs), [])
+  windows = tfds_source.pack_source(source, "text", 7, workers=2, tokenizer=Tokenizer.from_file(path))
+  np.testing.assert_array_equal(windows.reshape(-1), stream[:windows.size])
+  vocab = tok.get_vocab_size()
+  cfg = _cfg("data.source=tfds", "data.name=lm1b", "model.seq_len=7", "train.batch_size=2",
+             f"data.tokenizer={path}", f"model.vocab_size={max(vocab, 256)}")
+  batch = make_loader(cfg, "").next()["tokens"]
+  assert batch.shape == (2, 8) and batch.max() < vocab
+  with pytest.raises(ConfigError, match="data.tokenizer needs model.vocab_size >= "):
+    make_loader(_cfg("data.source=tfds", "data.name=lm1b", f"data.tokenizer={path}",
+                     "model.vocab_size=4"), "")
+  with pytest.raises(ConfigError, match="does not exist"):
+    make_loader(_cfg("data.source=tfds", "data.name=lm1b", "data.tokenizer=/no/such.json"), "")

@@ -19,6 +19,7 @@ is 150 MB); larger shards are read record by record every epoch.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
 from dataclasses import dataclass
@@ -133,17 +134,52 @@ def _as_bytes(text) -> bytes:
   return text.encode("utf-8") if isinstance(text, str) else bytes(text)
 
 
-def pack_source(source, key: str, seq_len: int, workers: int = 2) -> np.ndarray:
-  """Each document's bytes and SEPARATOR, in split order, cut into windows: [N, seq_len + 1] uint8.
+def pack_source(source, key: str, seq_len: int, workers: int = 2, tokenizer=None) -> np.ndarray:
+  """Each document's tokens and a separator, in split order, cut into windows: [N, seq_len + 1].
 
-  The same windows as `loader.pack`, built without holding the documents as a list.
+  Bytes (uint8, separator SEPARATOR) without a tokenizer: the same windows as `loader.pack`, built
+  without holding the documents as a list. With a `tokenizers.Tokenizer`: its ids (int32), each
+  document followed by its end-of-text id.
   """
-  stream = bytearray()
-  for doc in _stream(source, 0, len(source), lambda ex: _as_bytes(ex[key]), workers):
-    stream += doc
-    stream.append(SEPARATOR)
-  n = len(stream) // (seq_len + 1)
-  return np.frombuffer(bytes(stream[:n * (seq_len + 1)]), np.uint8).reshape(n, seq_len + 1)
+  docs = _stream(source, 0, len(source), lambda ex: _as_bytes(ex[key]), workers)
+  if tokenizer is None:
+    stream = bytearray()
+    for doc in docs:
+      stream += doc
+      stream.append(SEPARATOR)
+    n = len(stream) // (seq_len + 1)
+    return np.frombuffer(bytes(stream[:n * (seq_len + 1)]), np.uint8).reshape(n, seq_len + 1)
+  eos = end_of_text_id(tokenizer)
+  ids: list[int] = []
+  for doc in docs:
+    ids += tokenizer.encode(doc.decode("utf-8", errors="replace"), add_special_tokens=False).ids
+    ids.append(eos)
+  n = len(ids) // (seq_len + 1)
+  return np.asarray(ids[:n * (seq_len + 1)], np.int32).reshape(n, seq_len + 1)
+
+
+END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
+
+
+def end_of_text_id(tokenizer) -> int:
+  """The tokenizer's end-of-document token (the first of END_OF_TEXT it knows), else id 0."""
+  for token in END_OF_TEXT:
+    i = tokenizer.token_to_id(token)
+    if i is not None:
+      return i
+  return 0
+
+
+def load_tokenizer(path: str):
+  """A `tokenizers` JSON file (tokenizer.json) -> Tokenizer; a bad path is one sentence."""
+  if not os.path.isfile(path):
+    raise ConfigError(f"data.tokenizer={path} does not exist (give a tokenizers JSON file, "
+                      f"e.g. a tokenizer.json, or leave it empty for byte-level tokens)")
+  from tokenizers import Tokenizer
+  try:
+    return Tokenizer.from_file(path)
+  except Exception as e:  # the library raises plain Exceptions for unparsable files
+    raise ConfigError(f"data.tokenizer={path} is not a tokenizers JSON file ({e})") from None
 
 
 def image_stats(ds: Dataset, split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -274,11 +310,14 @@ class Batches:
 def _text_batches(ds: Dataset, source, cfg, global_batch: int, shard, workers: int, what: str):
   if cfg.model.kind != "gpt":
     raise ConfigError(f"model.kind={cfg.model.kind} needs images, but {what} is text")
-  if cfg.model.vocab_size < VOCAB_SIZE:
-    raise ConfigError(f"byte-level tokens need model.vocab_size >= {VOCAB_SIZE}, "
+  tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
+  vocab = tokenizer.get_vocab_size() if tokenizer else VOCAB_SIZE
+  if cfg.model.vocab_size < vocab:
+    raise ConfigError(f"{'data.tokenizer' if tokenizer else 'byte-level tokens'} need"
+                      f"{'s' if tokenizer else ''} model.vocab_size >= {vocab}, "
                       f"got {cfg.model.vocab_size}")
   seq = cfg.model.seq_len
-  windows = pack_source(source, ds.text_key, seq, workers)
+  windows = pack_source(source, ds.text_key, seq, workers, tokenizer)
   lo, hi = shard_range(len(windows), shard)
   mine = windows[lo:hi]
   local = global_batch // shard.shard_count
