@@ -21,10 +21,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import hlo, precision, rules
+from jaxpar import hlo, rules
 from jaxpar import mesh as jmesh
 from jaxpar import model as jmodel
-from jaxpar.config import Config, ConfigError, to_dict
+from jaxpar.config import Config, to_dict
 from jaxpar.step import Trainer
 
 

@@ -1,5 +1,4 @@
 """Pipeline schedules: the tables themselves, equivalence with one device, and activation memory."""
-import jax
 import numpy as np
 import pytest
 

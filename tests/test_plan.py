@@ -19,7 +19,6 @@ B, T, D, L = 16, 32, 64, 2
 # Which model state ZeRO shards over `data`, by the first stage that shards it.
 FIRST_STAGE = {"opt_state": 1, "grads": 2, "params": 3}
 
-needs_8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,7 +31,6 @@ def sharded_leaf_bytes(r: dict, spec_key: str) -> int:
   return sum(math.prod(q["shape"]) * 4 for q in r["parameters"] if "'data'" in q[spec_key])
 
 
-@needs_8
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_bytes_per_device(stage):
   r = report("8x1x1", f"parallel.zero_stage={stage}")
@@ -45,7 +43,6 @@ def test_zero_bytes_per_device(stage):
       assert per == full, (key, per, full)
 
 
-@needs_8
 def test_ddp_all_reduces_the_gradients_once():
   r = report("8x1x1", "parallel.zero_stage=0")
   assert r["config"]["precision"]["param_dtype"] == "float32"
@@ -54,7 +51,6 @@ def test_ddp_all_reduces_the_gradients_once():
   assert r["collectives"]["reduce-scatter"] == 0
 
 
-@needs_8
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_reduce_scatters_the_gradients(stage):
   r = report("8x1x1", f"parallel.zero_stage={stage}")
@@ -70,7 +66,6 @@ def test_zero_reduce_scatters_the_gradients(stage):
   assert c["all-gather"] >= 0.9 * sharded_leaf_bytes(r, "opt_spec")
 
 
-@needs_8
 def test_tensor_parallel_is_near_megatron():
   r = report("1x4x1")
   megatron = 4 * L * B * T * D * 4  # 2 all-reduces forward + 2 backward per layer, fp32
