@@ -209,7 +209,7 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
         if eval_now:
           jax.block_until_ready(m)  # the steps so far count as training time, the eval does not
           t_eval = time.perf_counter()
-          extra = evaluate(trainer.to_logical(state)["params"])  # model.loss takes its own order
+          extra = evaluate(trainer.logical_params(state["params"]))  # model.loss takes its own order
           interval_t += time.perf_counter() - t_eval
         if step % cfg.train.log_every == 0 or save_now or eval_now:
           flush(step, extra)

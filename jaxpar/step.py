@@ -63,6 +63,7 @@ class Trainer:
         "opt": opt_abstract,
     }
     self._step = None
+    self._reorder_fns: dict = {}
 
   # -- state -------------------------------------------------------------------------------------
 
@@ -105,19 +106,27 @@ class Trainer:
 
   def to_logical(self, state: dict) -> dict:
     """The state with the layer stack in the model's own order (what checkpoints hold)."""
-    if self.layer_order is None:
-      return state
-    inverse = np.argsort(self.layer_order)
-    with jax.set_mesh(self.mesh):
-      return jax.jit(lambda s: self._reorder(s, inverse), out_shardings=self.state_shardings)(state)
+    return self._reordered(state, inverse=True)
 
   def from_logical(self, state: dict) -> dict:
     """Inverse of `to_logical`."""
+    return self._reordered(state, inverse=False)
+
+  def logical_params(self, params: Any) -> Any:
+    """Only the parameters in the model's own order (what `model.loss` expects), for eval."""
+    return self._reordered(params, inverse=True, part="params")
+
+  def _reordered(self, tree: Any, inverse: bool, part: str | None = None) -> Any:
+    """Applies the layer order (or its inverse) with one compiled, cached program per kind."""
     if self.layer_order is None:
-      return state
+      return tree
+    key = (inverse, part)
+    if key not in self._reorder_fns:
+      order = np.argsort(self.layer_order) if inverse else self.layer_order
+      shardings = self.state_shardings if part is None else self.state_shardings[part]
+      self._reorder_fns[key] = jax.jit(lambda t: self._reorder(t, order), out_shardings=shardings)
     with jax.set_mesh(self.mesh):
-      return jax.jit(lambda s: self._reorder(s, self.layer_order),
-                     out_shardings=self.state_shardings)(state)
+      return self._reorder_fns[key](tree)
 
   def batch_sharding(self, batch_abstract: Any) -> Any:
     """Every batch leaf is split over `data` on its leading axis."""
