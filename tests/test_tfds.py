@@ -187,6 +187,24 @@ def test_images_are_normalised_and_augmented(mock40):
     assert any(np.isin(b[2:6, 2:6], f).all() for f in (a, a[:, ::-1]))
 
 
+def test_hosts_augment_the_same_image_differently(mock40, monkeypatch):
+  # Both halves of the split read records 0..19, so two hosts' shards hold the same images and,
+  # with equal shard sizes, the same permutation: batch k is the same images on both hosts.
+  read = tfds_source._read_one
+  monkeypatch.setattr(tfds_source, "_read_one", lambda source, key: read(source, int(key) % 20))
+  for augment, same in (("false", True), ("true", False)):
+    cfg = _cfg(*CIFAR, f"data.augment={augment}")
+    hosts = [make_loader(cfg, "", process_index=i, process_count=2) for i in range(2)]
+    for _ in range(3):
+      a, b = (h.next() for h in hosts)
+      np.testing.assert_array_equal(a["label"], b["label"])
+      assert np.array_equal(a["image"], b["image"]) == same
+      if not same:  # not one image of the batch flipped and cropped alike on both hosts
+        assert not any(np.array_equal(x, y) for x, y in zip(a["image"], b["image"]))
+    for h in hosts:
+      h.close()
+
+
 def test_text_is_packed_bytes_of_every_document(mock40):
   source = tfds.data_source("lm1b", split="train")
   docs = [source[i]["text"] for i in range(len(source))]

@@ -227,7 +227,7 @@ class Batches:
   """Endless per-host batches (dicts of arrays) from one shard, reshuffled every epoch.
 
   `read(keys)` turns shard-local record indices into a dict of stacked arrays; `transform(batch,
-  rng)` may change it. Epoch e uses the first steps_per_epoch * local_batch indices of the shard's
+  rng)` may change it, rng drawn from (seed, epoch, position, shard_index). Epoch e uses the first steps_per_epoch * local_batch indices of the shard's
   permutation drawn from (seed, e). steps_per_epoch comes from the split size alone, so every
   host has the same one. Batch k is a pure function of k, which makes state() and restore() exact.
   """
@@ -235,7 +235,7 @@ class Batches:
   def __init__(self, read: Callable[[np.ndarray], dict], shard_size: int, records_per_host: int,
                local_batch: int, seed: int, element_spec: dict, what: str,
                transform: Callable[[dict, np.random.Generator], dict] | None = None,
-               workers: int = 2, prefetch: int = 4):
+               workers: int = 2, prefetch: int = 4, shard_index: int = 0):
     self.steps_per_epoch = records_per_host // local_batch
     if self.steps_per_epoch == 0:
       raise ConfigError(f"{what} gives each process {records_per_host} examples, fewer than its "
@@ -243,6 +243,7 @@ class Batches:
     self.element_spec = element_spec  # name -> (shape, dtype) of this process's batch
     self._read, self._transform = read, transform
     self._shard_size, self._local, self._seed = shard_size, local_batch, seed % 2**32
+    self._shard_index = shard_index
     self._orders: dict[int, np.ndarray] = {}
     self._lock = threading.Lock()
     self._options = grain.ReadOptions(num_threads=workers,
@@ -267,7 +268,9 @@ class Batches:
     keys = self._order(epoch)[position * self._local:(position + 1) * self._local]
     out = self._read(keys)
     if self._transform is not None:
-      out = self._transform(out, np.random.default_rng([self._seed, epoch, position, 1]))
+      # Without the shard index, equal shard sizes give every host the same flips and crops.
+      rng = np.random.default_rng([self._seed, epoch, position, 1, self._shard_index])
+      out = self._transform(out, rng)
     return out
 
   def next(self) -> dict:
@@ -361,7 +364,7 @@ def _image_batches(ds: Dataset, source, cfg, global_batch: int, shard, train: bo
   spec = {"image": ((local, h, w, c), np.dtype(np.float32)),
           "label": ((local,), np.dtype(np.int32))}
   return Batches(read, hi - lo, len(source) // shard.shard_count, local, cfg.train.seed, spec, what,
-                 transform=transform, workers=workers)
+                 transform=transform, workers=workers, shard_index=shard.shard_index)
 
 
 def make_batches(cfg, split: str, process_index: int = 0, process_count: int = 1,
