@@ -5,6 +5,8 @@
 the first-step losses must agree, so the tokens/s ratio (jaxpar / plain) compares like with like.
 The ratio is a measurement: the script exits 0 whatever it is and prints the verdict. Tokens per
 CPU-second of this process are recorded too: on a shared machine other processes disturb them less.
+Writes benchmarks/results/overhead.json by default (git-ignored; the committed figures are in
+benchmarks/reference/).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from jaxpar.step import Trainer
 THRESHOLD = 0.95
 LOSS_RTOL = 1e-5
 BASE = ["train.batch_size=16", "precision.compute_dtype=float32"]
+# Untracked, so a run never rewrites the committed figures in benchmarks/reference/.
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "overhead.json")
 
 
@@ -124,7 +127,7 @@ class Side:
     return None if out is None else self.loss_of(out)
 
 
-def _parse(argv):
+def parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(description="tokens/s of jaxpar's step over a plain JAX + optax step "
                                            "of the same GPT, on one device")
   ap.add_argument("--steps", type=int, default=30, help="timed steps per window")
@@ -135,6 +138,11 @@ def _parse(argv):
   ap.add_argument("--out", default=DEFAULT_OUT, help="JSON results file")
   ap.add_argument("--hlo", default=None, metavar="DIR",
                   help="also write both steps' optimized HLO to DIR/{jaxpar,plain}.hlo.txt")
+  return ap
+
+
+def _parse(argv):
+  ap = parser()
   args = ap.parse_args(argv)
   if args.steps < 1 or args.repeats < 1 or args.warmup < 0:
     ap.error("--steps and --repeats must be positive, --warmup not negative")

@@ -1,6 +1,8 @@
 """Pipeline schedules on 1x1x4: compiled temp bytes and bubble for M in {4, 8, 16}, written to JSON.
 
-python benchmarks/pipeline.py [--out benchmarks/results/pipeline.json] [--set key=value ...]
+python benchmarks/pipeline.py [--out FILE] [--set key=value ...]
+Writes benchmarks/results/pipeline.json by default (git-ignored; the committed figures are in
+benchmarks/reference/).
 Each microbatch holds 4 samples (train.batch_size = 4·M). Numbers come from the compiled step's
 memory_analysis() and from the executed schedule table; nothing is run.
 """
@@ -18,12 +20,19 @@ import jax  # noqa: E402
 
 from jaxpar import config, plan  # noqa: E402
 
+# Untracked, so a run never rewrites the committed figures in benchmarks/reference/.
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipeline.json")
 
-def main() -> int:
+
+def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__)
-  p.add_argument("--out", default="benchmarks/results/pipeline.json")
+  p.add_argument("--out", default=DEFAULT_OUT, help="JSON results file")
   p.add_argument("--set", nargs="+", action="extend", default=["model.n_layers=8"])
-  args = p.parse_args()
+  return p
+
+
+def main(argv=None) -> int:
+  args = parser().parse_args(argv)
   rows = []
   for name, V in (("gpipe", 1), ("1f1b", 1), ("circular", 2)):
     for M in (4, 8, 16):
@@ -39,7 +48,7 @@ def main() -> int:
             f"{row['bubble_fraction']:.3f}  slots {row['buffer_slots']}", flush=True)
   out = {"jax": jax.__version__, "backend": jax.default_backend(), "mesh": "1x1x4",
          "samples_per_microbatch": 4, "overrides": args.set, "rows": rows}
-  os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(out, f, indent=1)
   print(f"wrote {args.out}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 import jax
 import numpy as np
@@ -46,9 +47,33 @@ def config_path(out: str) -> str:
   return out[:-len(SUFFIX)] + ".json"
 
 
+def _new_file_mode() -> int:
+  """The mode open() gives a new file: 0666 less the process umask."""
+  mask = os.umask(0)  # reading the umask means setting it; put it straight back
+  os.umask(mask)
+  return 0o666 & ~mask
+
+
+def write_safetensors(tensors: dict[str, np.ndarray], out: str, metadata: dict[str, str]) -> None:
+  """Writes `out` atomically (a temporary file beside it, then a rename), mode 0666 & ~umask."""
+  from safetensors.numpy import save_file
+  parent = os.path.dirname(os.path.abspath(out))
+  os.makedirs(parent, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)
+  os.close(fd)
+  try:
+    save_file(tensors, tmp, metadata=metadata)
+    # mkstemp and safetensors both create owner-only files; an export is meant to be shared.
+    os.chmod(tmp, _new_file_mode())
+    os.replace(tmp, out)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
 def export(workdir: str, out: str, step: int | None = None) -> dict:
   """Writes `out` (.safetensors) and its config JSON; returns that JSON's content."""
-  from safetensors.numpy import save_file
   if not out.endswith(SUFFIX):
     raise ConfigError(f"--out {out} must end with {SUFFIX}")
   directory, step = checkpoint_step(workdir, step)
@@ -57,9 +82,8 @@ def export(workdir: str, out: str, step: int | None = None) -> dict:
   info = {"jaxpar_version": jaxpar.__version__, "step": step, "model": cfg.get("model", {}),
           "param_dtype": cfg.get("precision", {}).get("param_dtype"),
           "n_params": int(sum(x.size for x in tensors.values())), "n_tensors": len(tensors)}
-  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  save_file(tensors, out, metadata={"format": "jaxpar", "jaxpar_version": jaxpar.__version__,
-                                    "step": str(step)})
+  write_safetensors(tensors, out, {"format": "jaxpar", "jaxpar_version": jaxpar.__version__,
+                                   "step": str(step)})
   with open(config_path(out), "w") as f:
     json.dump(info, f, indent=2)
     f.write("\n")

@@ -196,7 +196,8 @@ class MetricsLogger:
   """Writes metrics as JSON lines, TensorBoard scalars and a tqdm progress bar.
 
   `log(step, metrics)` takes `step` as the number of completed steps. The bar shows `loss` and
-  `tokens_per_sec` when those keys are present. `final(summary)` understands the keys `steps`,
+  `tokens_per_sec` when those keys are present, and its rate is 1 / `step_time_s` from the second
+  log on (the first interval holds compilation). `final(summary)` understands the keys `steps`,
   `tokens_per_sec`, `mfu`, `peak_flops_per_device`, `peak_flops_source` and `peak_memory_bytes`.
   """
 
@@ -211,6 +212,7 @@ class MetricsLogger:
     self._file = None
     self._writer = None
     self._bar = None
+    self._first_interval = True
     self._closed = False
 
   def _write_line(self, record: dict[str, Any]) -> None:
@@ -229,10 +231,25 @@ class MetricsLogger:
       self._writer = SummaryWriter(logdir=os.path.join(self.workdir, "tb"))
     return self._writer
 
-  def _progress_bar(self):
+  def _progress_bar(self, step: int):
     if self._bar is None and self.progress:
       from tqdm.auto import tqdm
-      self._bar = tqdm(total=self.total_steps, unit="step", dynamic_ncols=True)
+
+      class Bar(tqdm):
+        """A tqdm whose step/s and time left come from the loop's measured step time."""
+        measured_rate: float | None = None
+
+        @property
+        def format_dict(self):
+          d = super().format_dict
+          d["rate"] = self.measured_rate
+          return d
+
+      # Created at the first log with the steps already done as `initial`: those steps include
+      # compilation (or ran before a resume), and tqdm would otherwise divide them by the few
+      # microseconds since the bar started (~81,000 step/s).
+      self._bar = Bar(total=self.total_steps, initial=step, unit="step", dynamic_ncols=True)
+      self._first_interval = True
     return self._bar
 
   def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -247,8 +264,13 @@ class MetricsLogger:
         for tag, number in _scalars(name, value):
           writer.add_scalar(tag, number, global_step=step)
       writer.flush()
-    bar = self._progress_bar()
+    bar = self._progress_bar(step)
     if bar is not None:
+      step_time = _plain(metrics.get("step_time_s"))
+      # The first interval's step time includes compilation, so no rate is shown until the next.
+      if not self._first_interval and step_time:
+        bar.measured_rate = 1.0 / float(step_time)
+      self._first_interval = False
       bar.update(max(0, step - bar.n))
       postfix = {}
       if _plain(metrics.get("loss")) is not None:

@@ -3,8 +3,9 @@
   python scripts/launch_local.py --processes 2 [--devices-per-process 4] -- \
       scripts/train.py --mesh 2x4x1 ...
 
-Every output line is prefixed with its process's rank. When a process fails, the others are stopped
-(SIGTERM, then SIGKILL after --grace seconds) and the launcher exits with the first failure's code.
+Every output line, and every redraw of a progress bar's line, is prefixed with its process's rank.
+When a process fails, the others are stopped (SIGTERM, then SIGKILL after --grace seconds) and the
+launcher exits with the first failure's code.
 """
 from __future__ import annotations
 
@@ -53,12 +54,67 @@ def child_env(rank: int, processes: int, devices: int, coordinator: str) -> dict
   return env
 
 
+class Prefixer:
+  r"""Puts `prefix` before every line of a byte stream and after every '\r' that redraws one.
+
+  Progress bars (tqdm) redraw a line as '\r' + text with no '\n' until they close, so a segment
+  after '\r' is passed on at once; any other unfinished line waits for its '\n', so that lines of
+  different processes do not interleave.
+  """
+
+  def __init__(self, prefix: bytes):
+    self.prefix = prefix
+    self.pending = b""  # an unfinished line, not yet passed on
+    self.open = False  # the current segment's prefix is already out
+    self.after_cr = False  # the current segment follows a '\r'
+    self.last = b"\n"  # the last byte passed on
+
+  def feed(self, data: bytes) -> bytes:
+    """The prefixed bytes of `data` that can be passed on now."""
+    buf, self.pending = self.pending + data, b""
+    out = []
+    for seg in re.split(rb"(?<=[\r\n])", buf):  # each piece ends with its separator, bar the last
+      if not seg:
+        continue
+      if not seg.endswith((b"\r", b"\n")) and not self.after_cr:
+        self.pending = seg
+        break
+      out.append(self._segment(seg))
+    text = b"".join(out)
+    if text:
+      self.last = text[-1:]
+    return text
+
+  def _segment(self, seg: bytes) -> bytes:
+    head = b"" if self.open or seg == b"\r" else self.prefix
+    ended = seg.endswith((b"\r", b"\n"))
+    self.open = not ended
+    if ended:
+      self.after_cr = seg.endswith(b"\r")
+    return head + seg
+
+  def close(self) -> bytes:
+    """The rest at the end of the stream, ending with a newline."""
+    text = self._segment(self.pending) if self.pending else b""
+    self.pending = b""
+    if (text[-1:] or self.last) != b"\n":
+      text += b"\n"
+    self.last = b"\n"
+    return text
+
+
 def _pump(stream, out, prefix: bytes, lock: threading.Lock) -> None:
-  """Copies `stream` to `out` line by line, each line prefixed."""
-  for line in iter(stream.readline, b""):
-    with lock:
-      out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
-      out.flush()
+  """Copies `stream` to `out` as it arrives, every line and redrawn line prefixed."""
+  prefixer = Prefixer(prefix)
+  while True:
+    data = stream.read1(65536)  # whatever is there: a progress bar never ends its line
+    text = prefixer.feed(data) if data else prefixer.close()
+    if text:
+      with lock:
+        out.write(text)
+        out.flush()
+    if not data:
+      break
   stream.close()
 
 

@@ -90,3 +90,22 @@ def test_device_peak_memory_bytes():
     assert peak is None
   else:
     assert isinstance(peak, int) and peak > 0
+
+
+def test_progress_rate_excludes_compilation(tmp_path):
+  """The first interval (compilation) shows no rate; later ones show 1 / step_time_s."""
+  logger = metrics.MetricsLogger(None, None, total_steps=100, use_tensorboard=False)
+  logger.log(10, {"loss": 3.0, "step_time_s": 2.0})  # 10 steps incl. compile, microseconds ago
+  first = str(logger._bar)
+  assert "?step/s" in first and "10/100" in first, first
+  logger.log(20, {"loss": 2.5, "step_time_s": 0.25})
+  second = str(logger._bar)
+  assert " 4.00step/s" in second and "20/100" in second and "<00:20" in second, second
+  logger.close()
+
+
+def test_progress_rate_after_resume_ignores_earlier_steps():
+  logger = metrics.MetricsLogger(None, None, total_steps=1000, use_tensorboard=False)
+  logger.log(510, {"loss": 3.0})  # resumed at 500: the first 500 steps ran in another process
+  assert "?step/s" in str(logger._bar), str(logger._bar)
+  logger.close()
