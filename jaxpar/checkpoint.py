@@ -8,6 +8,8 @@ next run deletes it.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from typing import Any
 
@@ -27,9 +29,22 @@ def _manager(directory: str, options: ocp.CheckpointManagerOptions) -> ocp.Check
   return ocp.CheckpointManager(os.path.abspath(directory), options=options, item_handlers=handlers)
 
 
+@contextlib.contextmanager
+def _quiet():
+  """orbax warns through absl each time a read-only manager is made; reading is all we ask of it."""
+  log = logging.getLogger("absl")
+  level = log.level
+  log.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    log.setLevel(level)
+
+
 def _reader(directory: str) -> ocp.CheckpointManager:
   """A manager that neither creates nor deletes anything, safe beside a run that is saving."""
-  return _manager(directory, ocp.CheckpointManagerOptions(read_only=True, create=False))
+  with _quiet():
+    return _manager(directory, ocp.CheckpointManagerOptions(read_only=True, create=False))
 
 
 def _tree(meta: Any) -> Any:
@@ -186,8 +201,7 @@ class Checkpointer:
 def _step_dir(directory: str, step: int | None) -> str:
   """`directory`/<step>, for the latest complete step when `step` is None."""
   if step is None:
-    mgr = ocp.CheckpointManager(os.path.abspath(directory),
-                                options=ocp.CheckpointManagerOptions(read_only=True, create=False))
+    mgr = _reader(directory)
     step = mgr.latest_step()
     mgr.close()
     if step is None:

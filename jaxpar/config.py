@@ -252,3 +252,27 @@ def from_dict(tree: dict[str, Any]) -> Config:
   return validate(cfg)
 
 
+
+
+# Keys that decide *what* is trained: a checkpoint only continues a run that agrees on all of them.
+# The rest say *how* it runs (mesh, ZeRO stage, schedule, steps, learning rate...) and may change
+# between a save and a resume. Where the data lives (data.data_dir) and how many threads read it
+# (data.workers) do not change the data.
+_WHAT_IS_TRAINED = ("model.", "data.", "train.batch_size", "train.seed", "precision.param_dtype")
+_HOW_DATA_IS_READ = ("data.data_dir", "data.workers")
+
+
+def resume_mismatch(stored: dict, cfg: Config) -> list[str]:
+  """Keys that decide what is trained on which `stored` (a checkpoint's config dict) and `cfg`
+  disagree, as 'key=stored->now'; empty when the checkpoint continues this run."""
+  now = dict(_flatten(to_dict(cfg)))
+  defaults = dict(_flatten(to_dict(Config())))
+  out = []
+  for key, value in now.items():
+    if not key.startswith(_WHAT_IS_TRAINED) or key in _HOW_DATA_IS_READ:
+      continue
+    section, name = key.split(".")
+    before = stored.get(section, {}).get(name, defaults[key])  # saved before the key existed
+    if before != value:
+      out.append(f"{key}={before!r}->{value!r}")
+  return out

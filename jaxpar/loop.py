@@ -101,6 +101,25 @@ def _eval_step(trainer: Trainer, batch_abstract: dict):
                                    trainer.batch_sharding(batch_abstract)))
 
 
+def resumable(cfg: Config, ckpt_dir: str) -> int | None:
+  """The step of the newest complete checkpoint in `ckpt_dir`, or None.
+
+  Raises ConfigError, before anything is built or written, when that checkpoint trained something
+  else (another model, data or global batch): resuming it would silently continue the wrong run.
+  """
+  from jaxpar import checkpoint as jckpt
+  with jckpt.Checkpointer(ckpt_dir, keep=1, every=0) as reader:
+    step = reader.latest_step()
+  if step is None:
+    return None
+  stored = jckpt.read_extra(ckpt_dir, step).get("config", {})
+  changed = jconfig.resume_mismatch(stored, cfg)
+  if changed:
+    raise ConfigError(f"the checkpoint at step {step} in {ckpt_dir} trained a different run "
+                      f"({', '.join(changed)}); use another --workdir, or the same settings to resume")
+  return step
+
+
 def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_file: str | None = None,
         steps: int | None = None, progress: bool = True, log=print) -> RunResult:
   """Trains `cfg` on `mesh_shape` for `steps` total steps (default train.steps) in `workdir`."""
@@ -112,22 +131,28 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
 
   from jaxpar import checkpoint as jckpt
   from jaxpar.data import make_loader
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  start = resumable(cfg, ckpt_dir)
+  if start is not None and start >= total:
+    log(f"nothing to train: the checkpoint in {ckpt_dir} is at step {start} and --steps is {total}")
+    return RunResult(steps=start, losses={}, state=None, trainer=trainer,
+                     summary={"steps": start, "steps_this_run": 0, "nothing_to_train": True})
   # Data before the workdir: a dataset that is missing or does not fit the model is bad input.
   pi, pc = jax.process_index(), jax.process_count()
   batches = make_loader(cfg, workdir, pi, pc)
   evals = (make_loader(cfg, workdir, pi, pc, split=cfg.data.eval_split, train=False)
            if cfg.train.eval_every else None)
   os.makedirs(workdir, exist_ok=True)
-  ckpt = jckpt.Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.checkpoint.keep,
-                            every=cfg.checkpoint.every)
+  ckpt = jckpt.Checkpointer(ckpt_dir, keep=cfg.checkpoint.keep, every=cfg.checkpoint.every)
   batch_abstract = _batch_abstract(batches.element_spec, pc)
   batch_sharding = trainer.batch_sharding(batch_abstract)
 
-  start = ckpt.latest_step()
+  skipped = [0]  # steps whose update was dropped for a non-finite loss (train.skip_nonfinite)
   if start is not None:
     state, extra = ckpt.restore(start, trainer.abstract_state, trainer.state_shardings)
     state = trainer.from_logical(state)
     batches.restore(extra["data"])
+    skipped[0] = int(extra.get("skipped_steps", 0))
     log(f"resuming from the checkpoint at step {start} in {ckpt.directory}")
   else:
     state, start = trainer.init(cfg.train.seed), 0
@@ -144,7 +169,6 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
   logger = jmetrics.MetricsLogger(workdir if is_main else None, metrics_file if is_main else None,
                                   total, is_main=is_main, progress=progress and is_main)
   losses: dict[int, float] = {}
-  skipped = [0]  # steps whose update was dropped for a non-finite loss (train.skip_nonfinite)
   pending: list[tuple[int, dict]] = []  # device metrics not yet fetched
   interval_t, interval_steps = time.perf_counter(), 0
   timed_s, timed_steps = 0.0, 0
@@ -214,7 +238,8 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
         if step % cfg.train.log_every == 0 or save_now or eval_now:
           flush(step, extra)
         if save_now:
-          ckpt.maybe_save(step, trainer.to_logical(state), {"data": batches.state(), "config": jconfig.to_dict(cfg)},
+          ckpt.maybe_save(step, trainer.to_logical(state), {"data": batches.state(), "config": jconfig.to_dict(cfg),
+                                                        "skipped_steps": skipped[0]},
                           force=True)
         if stopping:
           stopped = stopping

@@ -220,14 +220,16 @@ def _fit_slots(a: np.ndarray, P: int, M: int, V: int, start: int) -> int:
   return M * V
 
 
-def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn):
+def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, loss_scale=1.0):
   """Runs `sched` inside a shard_map manual over `pipeline`; returns (loss, layer grads, top grads).
 
   layers: this stage's layers, leaves [V·Lc, ...] (chunk c = rows c·Lc ...); top: the parameters
   used outside the layers (replicated over stages); micro: batch leaves [M, b, ...].
   embed_fn(top, mb) -> x (b, T, D); stage_fn(chunk_layers, x) -> x; loss_fn(top, x, mb) -> mean loss.
-  The loss is the mean over microbatches; gradients are of that loss. Top grads are summed over
-  stages here, so every stage returns the full gradient of the replicated parameters.
+  The loss is the mean over microbatches; gradients are of that loss times `loss_scale`: the
+  scale seeds each microbatch's cotangent, so a float16 backward carries scaled values all the way
+  (the caller divides it out). Top grads are summed over stages here, so every stage returns the
+  full gradient of the replicated parameters.
   """
   P, M, V, K = sched.stages, sched.microbatches, sched.virtual_stages, sched.slots
   s = jax.lax.axis_index(PIPE)
@@ -255,8 +257,9 @@ def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn):
     y, vjp = jax.vjp(stage_fn, chunk(c), stash[slot(i, c)])
 
     def from_loss():
-      l, (d_top, dy) = jax.value_and_grad(loss_fn, argnums=(0, 1))(top, y, mb)
-      return l / M, jax.tree_util.tree_map(lambda g: g / M, d_top), dy / M
+      l, (d_top, dy) = jax.value_and_grad(lambda t, y: loss_fn(t, y, mb) * (loss_scale / M),
+                                          argnums=(0, 1))(top, y)
+      return l / loss_scale, d_top, dy
     last = (s == P - 1) & (c == V - 1)
     l, d_top, dy = jax.lax.cond(last, from_loss,
                                 lambda: (jnp.zeros((), jnp.float32), zeros_like(top), recv_b[slot(i, c)]))

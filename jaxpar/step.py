@@ -40,7 +40,7 @@ class Trainer:
     self.compute_dtype = precision.compute_dtype(cfg.precision)
     self.specs = rules.param_specs(model.abstract, model.logical, mesh)
     self.layout = zero.layout(model.abstract, self.specs, model.logical, mesh, pc.zero_stage)
-    self.tx = optim.make(cfg.train)
+    self.tx = optim.make(cfg.train, model.logical)
     self.lr_schedule = optim.schedule(cfg.train)
     n_stages = mesh.shape[PIPE]
     self.schedule = None
@@ -154,8 +154,8 @@ class Trainer:
         if sched is not None:
           micro = jax.tree_util.tree_map(
               lambda x: x.reshape((sched.microbatches, x.shape[0] // sched.microbatches) + x.shape[1:]), mb)
-          loss, aux, grads = model.pipeline(params, micro, sched, dtype, L.param_dims, manual)
-          return loss, aux, jax.tree_util.tree_map(lambda g: g * scale, grads)
+          # the schedule seeds each microbatch's backward with the scale (not a multiply after)
+          return model.pipeline(params, micro, sched, dtype, L.param_dims, manual, scale)
 
         def scaled(p):
           loss, aux = model.loss(p, mb, dtype, L.param_dims, manual)
@@ -167,10 +167,16 @@ class Trainer:
       else:  # accumulate over microbatches in one scan: memory of one microbatch
         micro = jax.tree_util.tree_map(
             lambda x: x.reshape((accum, x.shape[0] // accum) + x.shape[1:]), batch)
-        vary = (lambda x: jax.lax.pcast(x, zero.DATA, to="varying")) if data_sharded and vma else (lambda x: x)
-        zeros = jax.tree_util.tree_map(
-            lambda a: vary(jnp.zeros(a.shape, a.dtype)),
-            jax.eval_shape(one, jax.tree_util.tree_map(lambda x: x[0], micro)))
+        # The accumulator must vary over `data` exactly where one microbatch's result does: the
+        # loss and gradients of per-shard copies (stage < 3) or of gathered shards vary, while at
+        # stage 3 the gradient of a leaf too small to shard comes out of jax.grad already summed.
+        def zeros_like(a, varying=True):
+          z = jnp.zeros(a.shape, a.dtype)
+          return jax.lax.pcast(z, zero.DATA, to="varying") if varying and data_sharded and vma else z
+        loss0, aux0, grads0 = jax.eval_shape(one, jax.tree_util.tree_map(lambda x: x[0], micro))
+        zeros = (zeros_like(loss0), jax.tree_util.tree_map(zeros_like, aux0),
+                 jax.tree_util.tree_map(lambda a, d: zeros_like(a, stage < 3 or d >= 0),
+                                        grads0, L.dims))
         total, _ = jax.lax.scan(
             lambda acc, mb: (jax.tree_util.tree_map(jnp.add, acc, one(mb)), None), zeros, micro)
         loss, aux, grads = jax.tree_util.tree_map(lambda x: x / accum, total)
@@ -208,14 +214,16 @@ class Trainer:
     updates, new_opt = self.tx.update(grads, opt, state["params"])
     params = optax.apply_updates(state["params"], updates)
     grad_norm = optax.global_norm(grads)
+    # The schedule's count moves with the step, skipped steps included (optim.keep_unless), so
+    # this is the rate the update above applied.
     metrics = {"loss": loss, "grad_norm": grad_norm,
                "learning_rate": self.lr_schedule(state["step"]), **aux}
     if self.expose_grads:
       metrics["grads"] = grads
     if self.cfg.train.skip_nonfinite:  # keep the old state; the loop counts the skipped steps
       ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-      keep = lambda new, old: jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), new, old)
-      params, new_opt = keep(params, state["params"]), keep(new_opt, opt)
+      params = jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), params, state["params"])
+      new_opt = optim.keep_unless(ok, new_opt, opt)
       metrics["skipped"] = (~ok).astype(jnp.int32)
     return {"step": state["step"] + 1, "params": params, "opt": new_opt}, metrics
 

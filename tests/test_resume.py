@@ -271,3 +271,12 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsy
   skipped = [r["step"] for r in rows(metrics) if r.get("skipped")]
   assert len(skipped) == final["skipped_steps"] and min(skipped) == bad  # the step that stopped
   assert latest_step(workdir)[0] == 10 and params_finite(workdir, 10)
+
+  # the count of skipped steps survives a resume
+  code = main(["--mesh", "8x1x1", "--workdir", str(workdir), "--metrics-file", str(metrics),
+               "--steps", "12", "--no-progress", "--set", *TINY, *DIVERGE,
+               "train.skip_nonfinite=true"])
+  assert code == 0
+  again = rows(metrics)[-1]
+  assert again["final"] and again["steps"] == 12
+  assert again["skipped_steps"] == len([r for r in rows(metrics) if r.get("skipped")])

@@ -84,6 +84,18 @@ def layer_norm(x, scale, bias, eps=1e-5):
   return y.astype(x.dtype)
 
 
+def attention(q, k, v) -> jax.Array:
+  """Causal attention. q (B, T, H, K), k and v (B, T, G, K) -> (B, T, H, K) in q's dtype.
+
+  XLA:CPU has no float16 matmul with a float32 accumulator, so there float16 attention runs in
+  float32 and is cast back; elsewhere float16 goes to the fused kernel as it is.
+  """
+  if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
+    f32 = lambda t: t.astype(jnp.float32)
+    return jax.nn.dot_product_attention(f32(q), f32(k), f32(v), is_causal=True).astype(q.dtype)
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
 def block(p: dict, x: jax.Array, cfg: ModelConfig, manual=frozenset()) -> jax.Array:
   """One pre-norm decoder block. p: one layer's weights; x (B, T, D) -> (B, T, D)."""
   B, T, D = x.shape
@@ -109,7 +121,7 @@ def block(p: dict, x: jax.Array, cfg: ModelConfig, manual=frozenset()) -> jax.Ar
   k = k.reshape(B, T, G, K)
   v = (v + w("bv")).reshape(B, T, G, K)
   q = constrain(q, ("batch", "seq", "heads", "kv"), manual=manual)
-  a = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (B, T, H, K)
+  a = attention(q, k, v)  # (B, T, H, K)
   a = a.reshape(B * T, H * K) @ w("wo") + w("bo")  # row-parallel: all-reduce over model
   x = x + constrain(a.reshape(B, T, D), ("batch", "seq", "embed"), manual=manual)
 
@@ -187,12 +199,12 @@ def n_params_nonembedding(cfg: ModelConfig) -> int:
 
 
 def pipeline_grads(params: dict, micro: dict, cfg: ModelConfig, sched, dtype=jnp.float32,
-                   dims: Any = None, remat: bool = False, manual=frozenset()):
+                   dims: Any = None, remat: bool = False, manual=frozenset(), loss_scale=1.0):
   """Loss and gradients through the pipeline schedule `sched` (inside a shard_map over `pipeline`).
 
   params: this stage's layers (leaves [L/P, ...]) and the replicated embeddings / head;
   micro['tokens']: [M, b, T+1]. ZeRO-3 shards are gathered inside each use, so their gradients
-  come back reduce-scattered.
+  come back reduce-scattered. Gradients are of `loss_scale` times the loss.
   """
   from jaxpar import pipeline
   top = {k: v for k, v in params.items() if k != "layers"}
@@ -208,5 +220,5 @@ def pipeline_grads(params: dict, micro: dict, cfg: ModelConfig, sched, dtype=jnp
   def loss_fn(t, x, mb):
     return cross_entropy(head_logits(zero.gather(t, top_dims), x), mb["tokens"][:, 1:])
   loss, g_layers, g_top = pipeline.execute(sched, params["layers"], top, micro, embed_fn, stage_fn,
-                                           loss_fn)
+                                           loss_fn, loss_scale)
   return loss, {}, {**g_top, "layers": g_layers}
