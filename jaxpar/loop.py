@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from jaxpar import config as jconfig
+from jaxpar import hlo
 from jaxpar import mesh as jmesh
 from jaxpar import metrics as jmetrics
 from jaxpar import model as jmodel
@@ -254,19 +255,15 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
   if stopped:
     log(f"received {stopped}: saved a checkpoint at step {step}; run again to resume")
   eps = cfg.train.batch_size * timed_steps / timed_s if timed_s else 0.0
-  mem = jmetrics.device_peak_memory_bytes()
-  mem_source = "device memory_stats"
-  if mem is None:
-    ma = compiled.memory_analysis()
-    mem = int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-              - ma.alias_size_in_bytes)
-    mem_source = "compiled memory_analysis (arguments + outputs + temps - aliased)"
+  measured = jmetrics.device_peak_memory_bytes()  # the allocator's own peak, where kept (GPU)
   summary = {"steps": step, "steps_this_run": step - start, "examples_per_sec": eps,
              **({"tokens_per_sec": eps * tokens_per_step / cfg.train.batch_size}
                 if tokens_per_step else {}),
              "mfu": flops_per_step * eps / cfg.train.batch_size / (peak * n_dev),
              "peak_flops_per_device": peak, "peak_flops_source": peak_source,
-             "peak_memory_bytes": mem, "peak_memory_source": mem_source,
+             # the one definition plan.py reports too (hlo.memory)
+             "peak_memory_bytes": hlo.memory(compiled)["peak_bytes"],
+             **({"allocator_peak_bytes": measured} if measured is not None else {}),
              "compile_s": compile_s, "devices": n_dev,
              "first_loss": losses[min(losses)] if losses else None,
              "last_loss": losses[max(losses)] if losses else None,

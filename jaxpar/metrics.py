@@ -183,7 +183,8 @@ def format_summary(summary: dict[str, Any]) -> str:
   if "peak_memory_bytes" in s:
     mem = s["peak_memory_bytes"]
     lines.append("peak memory per device: "
-                 + ("not reported by this backend" if mem is None else _human_bytes(mem)))
+                 + ("not reported by this backend" if mem is None else _human_bytes(mem)
+                    + " (compiled step: arguments + outputs + temporaries - donated)"))
   known = {"steps", "tokens_per_sec", "mfu", "peak_flops_per_device", "peak_flops_source",
            "peak_memory_bytes", "final"}
   for k, v in s.items():

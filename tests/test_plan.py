@@ -121,3 +121,17 @@ def test_cli_json():
     assert q["path"] in text
   for word in ("opt_state", "temp_bytes", "all-reduce", "model_flops_per_step"):
     assert word in text
+
+
+def test_plan_and_run_report_one_peak_memory(tmp_path):
+  """One definition of peak bytes per device (arguments + outputs + temps - aliased) in both."""
+  from jaxpar import loop
+  cfg = config.load(None, ["model.n_layers=2", "model.d_model=32", "model.n_heads=4",
+                           "model.d_ff=64", "model.seq_len=16", "train.batch_size=8",
+                           "data.source=synthetic", "train.steps=2"])
+  report = plan.plan(cfg, "2x2x2")
+  c = report["compiled"]
+  assert c["peak_bytes"] == c["argument_bytes"] + c["output_bytes"] + c["temp_bytes"] - c["alias_bytes"]
+  assert c["peak_bytes"] > c["temp_bytes"] > 0
+  result = loop.run(cfg, (2, 2, 2), str(tmp_path / "wd"), progress=False, log=lambda *a: None)
+  assert result.summary["peak_memory_bytes"] == c["peak_bytes"]
