@@ -1,0 +1,92 @@
+"""README.md and BUILD.md as a new user meets them: every command a CPU machine can run, in the
+order written, in one fresh folder; then the plain-orbax snippet on the checkpoint they left.
+
+Commands are taken from the docs' ```bash blocks (lines that start with `python scripts/`, and the
+part of README's first command after its install). Training commands get `--steps 4` and a small
+text cap so the sequence takes a minute; that is the only change, and it is the same for all, so
+what one command leaves in a workdir is what the next one finds there.
+"""
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FAST = ["--steps", "4", "--no-progress", "--set", "data.max_bytes=300000"]
+
+
+def commands(doc: str) -> list[str]:
+  """`python scripts/...` lines of the doc's bash blocks, in order, plus its marked examples."""
+  out = []
+  for block in re.finditer(r"```bash\n(.*?)```|<!-- example: (\w+) -->", (ROOT / doc).read_text(), re.S):
+    if block.group(2):
+      out.append(f"example:{block.group(2)}")
+      continue
+    previous = ""
+    for raw in block.group(1).splitlines():
+      continued, previous = previous.endswith("\\"), raw.rstrip()
+      line = raw.split("#")[0].strip()
+      if continued:  # the rest of another command (srun, mpirun: not for one CPU machine)
+        continue
+      if "pip install" in line and "&& python scripts/" in line:
+        line = line[line.index("python scripts/"):]
+      if line.startswith("python scripts/"):
+        out.append(line)
+  return out
+
+
+def example(doc: str, name: str) -> str:
+  m = re.search(rf"<!-- example: {name} -->\s*```python\n(.*?)```", (ROOT / doc).read_text(), re.S)
+  return m.group(1)
+
+
+def fast(argv: list[str]) -> list[str]:
+  """Training commands (also behind launch_local's `--`) run 4 steps on a small text cap."""
+  return argv + FAST if "scripts/train.py" in argv else argv
+
+
+def test_docs_commands_run_in_order(tmp_path):
+  for d in ("scripts", "configs"):
+    os.symlink(ROOT / d, tmp_path / d)
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  sequence = [("README.md", c) for c in commands("README.md")] + \
+             [("BUILD.md", c) for c in commands("BUILD.md")]
+  ran = [c for _, c in sequence]
+  assert ran[0] == "python scripts/train.py --mesh 2x4x1", ran  # the main job comes first
+  assert any("launch_local.py" in c for c in ran) and any("generate.py" in c for c in ran)
+  assert "example:orbax" in ran
+  for doc, cmd in sequence:
+    if cmd.startswith("example:"):
+      name = cmd.split(":")[1]
+      if name != "orbax":  # the README's own-model examples are run by test_readme.py
+        continue
+      r = subprocess.run([sys.executable, "-c", example(doc, name)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    else:
+      argv = shlex.split(cmd)
+      r = subprocess.run([sys.executable] + fast(argv[1:]), cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)
+    what = f"{doc}: {cmd}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, what
+    assert "Traceback" not in r.stderr, what
+    if "scripts/train.py" in cmd:  # each trains: no silent resume of another run's checkpoint
+      assert "resuming" not in r.stdout and "nothing to train" not in r.stdout, what
+      assert "steps: 4" in r.stdout, what
+
+  # the main job again: its checkpoint is at --steps, so one line and exit 0
+  again = subprocess.run([sys.executable, "scripts/train.py", "--mesh", "2x4x1", *FAST],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+  assert again.returncode == 0 and "nothing to train" in again.stdout, again.stderr
+  # another model in the same workdir: one sentence naming the key, exit 2, nothing written
+  before = sorted(p.name for p in (tmp_path / "workdir" / "checkpoints").iterdir())
+  other = subprocess.run([sys.executable, "scripts/train.py", "--mesh", "2x4x1", *FAST,
+                          "model.n_layers=2"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=600)
+  errors = [l for l in other.stderr.splitlines() if l.startswith("error:")]
+  assert other.returncode == 2 and len(errors) == 1 and "model.n_layers=4->2" in errors[0], other.stderr
+  assert "--workdir" in errors[0] and "Traceback" not in other.stderr
+  assert sorted(p.name for p in (tmp_path / "workdir" / "checkpoints").iterdir()) == before
