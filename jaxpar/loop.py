@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import signal
+import sys
 import time
 from typing import Any
 
@@ -60,7 +61,7 @@ class _StopFlag:
   """SIGTERM / SIGINT ask the loop to finish the current step, checkpoint and exit cleanly."""
 
   def __init__(self):
-    self.requested = None
+    self.requested: signal.Signals | None = None
     self._old = {}
 
   def __enter__(self):
@@ -72,11 +73,62 @@ class _StopFlag:
     return self
 
   def _handle(self, signum, frame):
-    self.requested = signal.Signals(signum).name
+    self.requested = signal.Signals(signum)
 
   def __exit__(self, *exc):
     for sig, old in self._old.items():
       signal.signal(sig, old)
+
+
+class _StopVote:
+  """Agrees across processes on when to stop: a signal may reach only some of them.
+
+  After every step each process puts its requested signal (0: none) on its devices, and a jitted
+  all-gather over `mesh` (one int32 per device) replicates everyone's. The result is read one step
+  later: by then it has finished behind the previous step, so the host waits only for that step,
+  with the next one already queued, and never for the step just dispatched. Every process reads
+  the same exchange after the same step, so all stop there and save together. Checking every
+  step costs one tiny collective beside the step's own, and acts on a signal within two steps.
+  """
+
+  def __init__(self, mesh):
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    self.owners = [d.process_index for d in mesh.devices.flat]  # process of each element
+    self.sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))  # element i on devices.flat[i]
+    self.gather = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
+    self.pending = None  # the exchange sent after the previous step
+
+  def __call__(self, local: signal.Signals | None) -> dict[int, signal.Signals]:
+    """Sends `local`; returns {process: signal} of the processes that asked one exchange ago."""
+    mine = np.array([int(local or 0)], np.int32)
+    sent = self.gather(jax.make_array_from_callback((len(self.owners),), self.sharding,
+                                                    lambda _: mine))
+    seen, self.pending = self.pending, sent
+    if seen is None:
+      return {}
+    return {p: signal.Signals(int(s)) for p, s in zip(self.owners, np.asarray(seen)) if s}
+
+
+def _say_stopped(asked: dict[int, signal.Signals], own: signal.Signals | None, step: int,
+                 log) -> None:
+  """Says why this process stopped at `step`: through `log`, or to stderr where that is None.
+
+  Every process says it, not only the main one that logs: the signal may have reached any of them.
+  """
+  saved = f"saved a checkpoint at step {step}; run again to resume"
+  pi = jax.process_index()
+  if jax.process_count() == 1:
+    text = f"received {asked[pi].name}: {saved}"
+  elif own is not None:
+    text = f"process {pi} received {own.name}: {saved}"
+  else:
+    first = min(asked)
+    text = (f"process {pi} stops at step {step} because process {first} received "
+            f"{asked[first].name}: {saved}")
+  if log is None:
+    print(text, file=sys.stderr, flush=True)
+  else:
+    log(text)
 
 
 def _global_batch(local: dict, shardings: dict) -> dict:
@@ -217,6 +269,8 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
     pending.clear()
     interval_t, interval_steps = time.perf_counter(), 0
 
+  # One process needs no agreement: it stops after the step its own signal lands in.
+  vote = _StopVote(trainer.mesh) if pc > 1 else None
   with _StopFlag() as stop, jax.set_mesh(trainer.mesh):
     try:
       while step < total:
@@ -225,8 +279,13 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
         interval_steps += 1
         pending.append((step, m))
         # Read once: a signal landing later in this iteration must not skip the save below yet
-        # still break out; it is handled after the next step.
-        stopping = stop.requested
+        # still break out; it is handled after the next step (the one after that with several
+        # processes, see _StopVote). {process: signal} of those that asked.
+        if vote is None:
+          asked = {pi: stop.requested} if stop.requested else {}
+        else:
+          asked = vote(stop.requested)
+        stopping = bool(asked)
         save_now = stopping or step == total or (
             cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
         eval_now = evals is not None and step % cfg.train.eval_every == 0
@@ -243,7 +302,7 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
                                                         "skipped_steps": skipped[0]},
                           force=True)
         if stopping:
-          stopped = stopping
+          stopped = asked
           break
     finally:
       ckpt.wait()
@@ -253,7 +312,7 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
         evals.close()
 
   if stopped:
-    log(f"received {stopped}: saved a checkpoint at step {step}; run again to resume")
+    _say_stopped(stopped, stop.requested, step, log if is_main else None)
   eps = cfg.train.batch_size * timed_steps / timed_s if timed_s else 0.0
   measured = jmetrics.device_peak_memory_bytes()  # the allocator's own peak, where kept (GPU)
   summary = {"steps": step, "steps_this_run": step - start, "examples_per_sec": eps,

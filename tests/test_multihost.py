@@ -1,4 +1,4 @@
-"""Several processes on loopback: same losses as one process, shared checkpoints, clear failures.
+"""Processes on loopback: one process's losses, shared checkpoints, one stop, clear failures.
 
 The training runs are real processes joined by jax.distributed (gloo collectives on CPU). They
 compile with --xla_backend_optimization_level=0 and share a persistent compilation cache, which
@@ -197,6 +197,86 @@ def test_a_lost_process_stops_the_launcher(tmp_path, env):
   rank0 = [l for l in err.splitlines() if l.startswith("[0] ") and "Gloo] Rank" not in l]
   assert "lost process 1" in rank0[-1], err
   assert "[launcher] process 1 failed first (signal SIGKILL)" in err
+
+
+class Launch:
+  """Two processes of a long run under the launcher, in the background, signalled one by one."""
+
+  def __init__(self, tmp, name, workdir, env):
+    self.metrics, self.out, self.err = (tmp / f"{name}.jsonl", tmp / f"{name}.out",
+                                        tmp / f"{name}.err")
+    with open(self.out, "w") as out, open(self.err, "w") as err:
+      self.p = subprocess.Popen([sys.executable, LAUNCH, "--processes", "2", "--",
+                                 *train_args(workdir, self.metrics, 100000)],
+                                stdout=out, stderr=err, env=env, cwd=ROOT)
+
+  def wait_rows(self, n, timeout=120):
+    """Until the metrics file has `n` step rows, or the run has ended."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and self.p.poll() is None:
+      if self.metrics.exists() and len(self.metrics.read_text().splitlines()) >= n:
+        return
+      time.sleep(0.02)
+    assert self.p.poll() is None, self.err.read_text()  # it ended before its steps
+
+  def terminate(self, rank):
+    """SIGTERM to process `rank` alone: the children run in their own sessions."""
+    pid = re.search(rf"process {rank} as pid (\d+)", self.err.read_text())
+    try:
+      os.kill(int(pid[1]), signal.SIGTERM)
+    except ProcessLookupError:  # it stopped already
+      pass
+
+  def finish(self):
+    """{rank: (step saved, why)} from each process's last line, once all have exited 0."""
+    try:
+      self.p.wait(timeout=120)
+    finally:
+      if self.p.poll() is None:
+        self.p.kill()
+    out, err = self.out.read_text(), self.err.read_text()
+    assert self.p.returncode == 0, out + err
+    said = re.findall(r"^\[(\d)\] process \1 (received SIGTERM|stops at step \d+ because process "
+                      r"\d received SIGTERM): saved a checkpoint at step (\d+); run again to "
+                      r"resume$", out + err, re.M)
+    assert len(said) == 2, out + err
+    return {int(rank): (int(step), why) for rank, why, step in said}, out
+
+
+def test_sigterm_to_some_processes_stops_all_at_one_step(runs, tmp_path, env):
+  workdir = tmp_path / "wd"
+  # Process 1 alone receives SIGTERM: process 0, which writes metrics, must stop with it.
+  first = Launch(tmp_path, "first", workdir, env)
+  first.wait_rows(1)
+  first.terminate(1)
+  said, _ = first.finish()
+  n = said[1][0]
+  assert said == {1: (n, "received SIGTERM"),
+                  0: (n, f"stops at step {n} because process 1 received SIGTERM")}
+  steps, final = records(first.metrics)
+  assert steps[-1]["step"] == n and final[0]["interrupted"] and final[0]["steps"] == n
+  assert sorted(int(d) for d in os.listdir(workdir / "checkpoints") if d.isdigit()) == [n]
+
+  # Both receive SIGTERM, at different steps: they stop together where the first one asked.
+  second = Launch(tmp_path, "second", workdir, env)
+  second.wait_rows(1)
+  second.terminate(0)
+  second.wait_rows(2)
+  second.terminate(1)
+  said, out = second.finish()
+  m = said[0][0]
+  assert said[0] == (m, "received SIGTERM") and said[1][0] == m > n, said
+  assert out.count(f"resuming from the checkpoint at step {n}") == 1
+
+  # Stopped, resumed and stopped again, the losses are those of one straight run.
+  ref = runs.get("reference")  # 7 steps
+  if m > max(ref):
+    one_process(tmp_path / "straight", tmp_path / "straight.jsonl", m, env)
+    ref = losses(tmp_path / "straight.jsonl")
+  got = {**losses(first.metrics), **losses(second.metrics)}
+  assert sorted(got) == list(range(1, m + 1))
+  for step, loss in got.items():
+    assert rel(loss, ref[step]) <= 1e-5, (step, loss, ref[step])
 
 
 def test_processes_with_different_configs_stop_before_training(tmp_path, env):
