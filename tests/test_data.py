@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from jaxpar.config import DataConfig
-from jaxpar.data import BatchIterator, inputs_targets, local_text, make_batches, pack
+from jaxpar.data import (BatchIterator, TokenWindows, inputs_targets, local_text, make_batches,
+                         pack, windows)
 
 DOCS = {
     "a.txt": "alpha line\n",
@@ -97,6 +98,35 @@ def test_pack_shapes_and_shift():
   assert inputs.shape == targets.shape == (2, 3)
   np.testing.assert_array_equal(inputs[:, 1:], targets[:, :-1])
   assert pack([b"abcdefghij"], seq_len=4).shape == (2, 5)  # the short tail is dropped
+
+
+def test_token_windows_read_lazily_are_the_packed_windows():
+  rng = np.random.default_rng(0)
+  docs = [b"", b"a", "é✓".encode(), bytes(rng.integers(1, 256, 300).astype(np.uint8)), b"",
+          b"xyz" * 7, bytes(rng.integers(1, 256, 41).astype(np.uint8))]
+  source = [{"text": d} for d in docs]  # any random-access sequence of records
+  reads = []
+  for seq_len in (1, 2, 6, 40, 400):  # windows inside one document and across several
+    packed = pack(docs, seq_len)
+    w = TokenWindows(source, "text", seq_len, eos=0)
+    assert w.shape == packed.shape and len(w) == len(packed) and w.dtype == np.uint8
+    assert w.tokens == sum(len(d) + 1 for d in docs)
+    np.testing.assert_array_equal(w[:], packed)
+    if len(packed):
+      rows = rng.integers(-len(packed), len(packed), 9)
+      np.testing.assert_array_equal(w[rows], packed[rows])
+      np.testing.assert_array_equal(w[len(packed) - 1], packed[-1])
+      np.testing.assert_array_equal(w[1::2], packed[1::2])
+    reads.append(w)
+  assert reads[-1].shape == (0, 401)  # 375 tokens: not one window
+  with pytest.raises(IndexError, match="out of range for 125 windows"):
+    reads[1][[125]]
+  source[3] = {"text": b"shorter"}  # the split changed after counting: a clear error, not garbage
+  with pytest.raises(RuntimeError, match="document 3 now has 8 tokens, not the 301 counted"):
+    reads[1][:]
+  order = windows.shuffled(1000, np.random.default_rng([3, 1]))
+  assert order.dtype == np.int32
+  np.testing.assert_array_equal(order, np.random.default_rng([3, 1]).permutation(1000))
 
 
 def test_batches_are_windows_of_the_document_stream(text_dir, tmp_path):

@@ -208,8 +208,13 @@ def test_hosts_augment_the_same_image_differently(mock40, monkeypatch):
 def test_text_is_packed_bytes_of_every_document(mock40):
   source = tfds.data_source("lm1b", split="train")
   docs = [source[i]["text"] for i in range(len(source))]
-  np.testing.assert_array_equal(tfds_source.pack_source(source, "text", 15, workers=2),
-                                pack(docs, 15))
+  windows = tfds_source.text_windows(source, "text", 15)
+  packed = pack(docs, 15)
+  assert windows.shape == packed.shape and windows.tokens == sum(len(d) + 1 for d in docs)
+  np.testing.assert_array_equal(windows[:], packed)
+  rows = np.array([7, 0, 7, len(packed) - 1, -1])  # any order, repeats and negative rows
+  np.testing.assert_array_equal(windows[rows], packed[rows])
+  np.testing.assert_array_equal(windows[3], packed[3])
   it = make_loader(_cfg("data.source=tfds", "data.name=lm1b", "model.seq_len=15",
                         "train.batch_size=4"), "")
   batch = it.next()
@@ -273,8 +278,9 @@ def test_text_with_a_tokenizers_file(mock40, tmp_path):
   tok.save(path)
   eos = tok.token_to_id("</s>")
   stream = sum((tok.encode(d, add_special_tokens=False).ids + [eos] for d in docs), [])
-  windows = tfds_source.pack_source(source, "text", 7, workers=2, tokenizer=Tokenizer.from_file(path))
-  np.testing.assert_array_equal(windows.reshape(-1), stream[:windows.size])
+  windows = tfds_source.text_windows(source, "text", 7, tokenizer=Tokenizer.from_file(path))
+  assert windows.shape == (len(stream) // 8, 8) and windows.tokens == len(stream)
+  np.testing.assert_array_equal(windows[:].reshape(-1), stream[:len(windows) * 8])
   vocab = tok.get_vocab_size()
   cfg = _cfg("data.source=tfds", "data.name=lm1b", "model.seq_len=7", "train.batch_size=2",
              f"data.tokenizer={path}", f"model.vocab_size={max(vocab, 256)}")

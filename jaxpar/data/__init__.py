@@ -2,6 +2,8 @@
 from jaxpar.data.loader import (SEPARATOR, VOCAB_SIZE, BatchIterator, TokenBatches, batch_spec,
                                 image_shape, inputs_targets, make_batches, make_loader, pack,
                                 synthetic_windows, tokenize)
+from jaxpar.data.windows import TokenWindows
 
 __all__ = ["SEPARATOR", "VOCAB_SIZE", "BatchIterator", "TokenBatches", "batch_spec", "image_shape",
-           "inputs_targets", "make_batches", "make_loader", "pack", "synthetic_windows", "tokenize"]
+           "inputs_targets", "make_batches", "make_loader", "pack", "synthetic_windows", "tokenize",
+           "TokenWindows"]

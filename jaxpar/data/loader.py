@@ -1,7 +1,8 @@
 """Byte-level tokens, packing into fixed windows, and a deterministic, resumable batch iterator.
 
 Numpy only: the caller passes jax.process_index()/process_count(), so this module never imports JAX.
-`make_loader` is what the training loop uses: dict batches for every data.source.
+`make_loader` is what the training loop uses: dict batches for every data.source. A local_text
+split is never held whole: its windows are `TokenWindows`, read a batch at a time.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Iterable
 import numpy as np
 
 from jaxpar.config import ConfigError
+from jaxpar.data.windows import TokenWindows, shuffled
 
 VOCAB_SIZE = 256  # token = byte value
 # NUL ends every document. local_text skips files that contain NUL, so the token is unambiguous.
@@ -60,7 +62,10 @@ def synthetic_windows(seq_len: int, seed: int, n: int = SYNTHETIC_WINDOWS) -> np
 
 
 class _Plan:
-  """Which rows of `windows` make batch (epoch, position) for one process; caches one epoch."""
+  """Which rows of `windows` make batch (epoch, position) for one process; caches one epoch.
+
+  `windows` is an array [N, seq_len + 1] or a `TokenWindows`, which reads only the rows asked for.
+  """
 
   def __init__(self, windows, global_batch, seed, process_index, process_count):
     self.windows = windows
@@ -74,7 +79,7 @@ class _Plan:
   def order(self, epoch: int) -> np.ndarray:
     """Shuffled window indices of an epoch, remainder dropped: [steps_per_epoch * global_batch]."""
     if epoch != self._epoch:
-      perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))
+      perm = shuffled(len(self.windows), np.random.default_rng([self.seed, epoch]))
       self._epoch, self._order = epoch, perm[:self.steps_per_epoch * self.global_batch]
     return self._order
 
@@ -211,7 +216,7 @@ def make_batches(data_cfg, seq_len: int, global_batch: int, seed: int, workdir: 
     from jaxpar.data import local_text  # imports TFDS, which synthetic data does not need
     data_dir = data_cfg.data_dir or os.path.join(workdir, "data")
     builder = local_text.prepare(data_dir, data_cfg.path, data_cfg.max_bytes)
-    windows = pack(local_text.read_texts(builder, split), seq_len)
+    windows = TokenWindows(local_text.data_source(builder, split), "text", seq_len, SEPARATOR)
     what = f"local_text split {split!r} ({builder.builder_config.description})"
   elif data_cfg.source == "tfds":
     raise ValueError("data.source=tfds is not supported yet by make_batches, which yields token "

@@ -148,10 +148,15 @@ def prepare(data_dir: str, path: str = "", max_bytes: int = DEFAULT_MAX_BYTES) -
   return builder
 
 
-def read_texts(builder: LocalText, split: str = "train") -> list[bytes]:
-  """All documents of a prepared split, in stored order, through random access (no TensorFlow)."""
+def data_source(builder: LocalText, split: str = "train"):
+  """Random access to the documents ({'text': bytes}) of a prepared split (no TensorFlow)."""
   if split not in builder.info.splits:
     raise ValueError(f"local_text has no split {split!r} (has {', '.join(builder.info.splits)}); "
                      f"a folder needs {VALIDATION_EVERY} files for a validation split")
-  source = builder.as_data_source(split=split)
+  return builder.as_data_source(split=split)
+
+
+def read_texts(builder: LocalText, split: str = "train") -> list[bytes]:
+  """All documents of a prepared split, in stored order: for small splits and tests."""
+  source = data_source(builder, split)
   return [ex["text"] for ex in source.__getitems__(range(len(source)))]

@@ -6,10 +6,13 @@ every epoch from (seed, epoch), and hands out its share of every global batch. B
 in grain's background threads (`data.workers`), one batch per task, so normalising and augmenting
 run vectorised over the batch.
 
-Text datasets (a `Text` feature, preferably 'text') become byte tokens: every document followed
-by NUL, cut into `seq_len + 1` windows. The split is packed in memory on every host (lm1b's train
-split is about 4 GB of bytes) because window boundaries depend on all earlier documents; each
-host then trains on its shard of the windows. Use a split slice such as `train[:10%]` to bound it.
+Text datasets (a `Text` feature, preferably 'text') become byte tokens (or a tokenizer's ids):
+every document followed by an end token, cut into `seq_len + 1` windows. Window boundaries depend
+on all earlier documents, so every host first counts the tokens of every document (one streamed
+pass over the split; see `windows.TokenWindows`); it then trains on its contiguous shard of the
+windows and reads only the documents those overlap, a batch at a time. Host memory is the count
+index (8 bytes a document), this epoch's order of the shard's windows (4 bytes a window) and the
+batches in flight, never the split.
 
 Image datasets ('image' and a `ClassLabel` 'label') give float32 images normalised by per-channel
 mean and std (estimated from a fixed sample of `data.split`, identical on every host) and int32
@@ -31,6 +34,7 @@ import tensorflow_datasets as tfds
 
 from jaxpar.config import ConfigError
 from jaxpar.data.loader import SEPARATOR, VOCAB_SIZE
+from jaxpar.data.windows import TokenWindows, end_of_text_id, shuffled
 
 CACHE_BYTES = 1 << 30  # a host keeps its image shard in memory up to this many decoded bytes
 STATS_SAMPLE = 512  # images of the training split that estimate the per-channel mean and std
@@ -128,46 +132,15 @@ def _stream(source, start: int, stop: int, fn: Callable[[Any], Any], workers: in
   return ds.to_iter_dataset(options)
 
 
-def _as_bytes(text) -> bytes:
-  if isinstance(text, np.ndarray):
-    text = text.item()
-  return text.encode("utf-8") if isinstance(text, str) else bytes(text)
+def text_windows(source, key: str, seq_len: int, tokenizer=None) -> TokenWindows:
+  """Each document's tokens and an end token, in split order, as windows [N, seq_len + 1].
 
-
-def pack_source(source, key: str, seq_len: int, workers: int = 2, tokenizer=None) -> np.ndarray:
-  """Each document's tokens and a separator, in split order, cut into windows: [N, seq_len + 1].
-
-  Bytes (uint8, separator SEPARATOR) without a tokenizer: the same windows as `loader.pack`, built
-  without holding the documents as a list. With a `tokenizers.Tokenizer`: its ids (int32), each
-  document followed by its end-of-text id.
+  Bytes (uint8, ended by SEPARATOR) without a tokenizer: the windows of `loader.pack`. With a
+  `tokenizers.Tokenizer`: its ids (int32), each document ended by its end-of-text id. Rows are
+  read when indexed; building it streams the split once to count tokens.
   """
-  docs = _stream(source, 0, len(source), lambda ex: _as_bytes(ex[key]), workers)
-  if tokenizer is None:
-    stream = bytearray()
-    for doc in docs:
-      stream += doc
-      stream.append(SEPARATOR)
-    n = len(stream) // (seq_len + 1)
-    return np.frombuffer(bytes(stream[:n * (seq_len + 1)]), np.uint8).reshape(n, seq_len + 1)
-  eos = end_of_text_id(tokenizer)
-  ids: list[int] = []
-  for doc in docs:
-    ids += tokenizer.encode(doc.decode("utf-8", errors="replace"), add_special_tokens=False).ids
-    ids.append(eos)
-  n = len(ids) // (seq_len + 1)
-  return np.asarray(ids[:n * (seq_len + 1)], np.int32).reshape(n, seq_len + 1)
-
-
-END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
-
-
-def end_of_text_id(tokenizer) -> int:
-  """The tokenizer's end-of-document token (the first of END_OF_TEXT it knows), else id 0."""
-  for token in END_OF_TEXT:
-    i = tokenizer.token_to_id(token)
-    if i is not None:
-      return i
-  return 0
+  eos = SEPARATOR if tokenizer is None else end_of_text_id(tokenizer)
+  return TokenWindows(source, key, seq_len, eos, tokenizer)
 
 
 def load_tokenizer(path: str):
@@ -227,9 +200,10 @@ class Batches:
   """Endless per-host batches (dicts of arrays) from one shard, reshuffled every epoch.
 
   `read(keys)` turns shard-local record indices into a dict of stacked arrays; `transform(batch,
-  rng)` may change it, rng drawn from (seed, epoch, position, shard_index). Epoch e uses the first steps_per_epoch * local_batch indices of the shard's
-  permutation drawn from (seed, e). steps_per_epoch comes from the split size alone, so every
-  host has the same one. Batch k is a pure function of k, which makes state() and restore() exact.
+  rng)` may change it, rng drawn from (seed, epoch, position, shard_index). Epoch e uses the first
+  steps_per_epoch * local_batch indices of the shard's permutation drawn from (seed, e).
+  steps_per_epoch comes from the split size alone, so every host has the same one. Batch k is a
+  pure function of k, which makes state() and restore() exact.
   """
 
   def __init__(self, read: Callable[[np.ndarray], dict], shard_size: int, records_per_host: int,
@@ -256,8 +230,7 @@ class Batches:
     """Shard-local record indices of an epoch: a permutation of [0, shard_size)."""
     with self._lock:
       if epoch not in self._orders:
-        rng = np.random.default_rng([self._seed, epoch])
-        self._orders[epoch] = rng.permutation(self._shard_size)
+        self._orders[epoch] = shuffled(self._shard_size, np.random.default_rng([self._seed, epoch]))
         for old in [e for e in self._orders if e < epoch - 1]:  # threads may straddle one boundary
           del self._orders[old]
       return self._orders[epoch]
@@ -320,11 +293,10 @@ def _text_batches(ds: Dataset, source, cfg, global_batch: int, shard, workers: i
                       f"{'s' if tokenizer else ''} model.vocab_size >= {vocab}, "
                       f"got {cfg.model.vocab_size}")
   seq = cfg.model.seq_len
-  windows = pack_source(source, ds.text_key, seq, workers, tokenizer)
+  windows = text_windows(source, ds.text_key, seq, tokenizer)
   lo, hi = shard_range(len(windows), shard)
-  mine = windows[lo:hi]
   local = global_batch // shard.shard_count
-  return Batches(lambda keys: {"tokens": mine[keys].astype(np.int32)}, hi - lo,
+  return Batches(lambda keys: {"tokens": windows[lo + keys].astype(np.int32)}, hi - lo,
                  len(windows) // shard.shard_count, local, cfg.train.seed,
                  {"tokens": ((local, seq + 1), np.dtype(np.int32))},
                  f"{what} ({len(windows)} windows of {seq + 1} tokens)", workers=workers)
