@@ -347,7 +347,9 @@ def _own_bytes(ins: _Instr) -> tuple[str, int] | None:
 
 
 def _computation_bytes(comps: dict[str, _Computation], name: str,
-                       memo: dict[str, dict[str, int]], active: set[str]) -> dict[str, int]:
+                       memo: dict[str, dict[str, int]], active: set[str],
+                       loops: bool = True) -> dict[str, int]:
+  """Collective bytes of one execution of `name`; with `loops` False, while loops count 0."""
   if name in memo:
     return memo[name]
   out = dict.fromkeys(KINDS, 0)
@@ -366,18 +368,20 @@ def _computation_bytes(comps: dict[str, _Computation], name: str,
       out[own[0]] += own[1]
     op = ins.opcode
     if op == "while":
+      if not loops:
+        continue
       n = _trip_count(comps, comp, ins)
       # The condition runs once more than the body; an unreadable count is taken as one pass.
       body_times, cond_times = (1, 1) if n is None else (n, n + 1)
       for c in _callees(ins.attrs, "body"):
-        add(_computation_bytes(comps, c, memo, active), body_times)
+        add(_computation_bytes(comps, c, memo, active, loops), body_times)
       for c in _callees(ins.attrs, "condition"):
-        add(_computation_bytes(comps, c, memo, active), cond_times)
+        add(_computation_bytes(comps, c, memo, active, loops), cond_times)
     elif op == "conditional":
       branches = (_callees(ins.attrs, "branch_computations")
                   or _callees(ins.attrs, "true_computation")
                   + _callees(ins.attrs, "false_computation"))
-      per = [_computation_bytes(comps, c, memo, active) for c in branches]
+      per = [_computation_bytes(comps, c, memo, active, loops) for c in branches]
       for kk in KINDS:
         out[kk] += max((p[kk] for p in per), default=0)
     elif op.endswith(("-start", "-update", "-done")):
@@ -385,11 +389,11 @@ def _computation_bytes(comps: dict[str, _Computation], name: str,
       # collective it wraps, and its -update/-done are not walked, so each counts once.
       if op == "async-start":
         for c in _callees(ins.attrs, "calls"):
-          add(_computation_bytes(comps, c, memo, active), 1)
+          add(_computation_bytes(comps, c, memo, active, loops), 1)
     else:
       for key in ("calls", "to_apply", "called_computations"):
         for c in _callees(ins.attrs, key):
-          add(_computation_bytes(comps, c, memo, active), 1)
+          add(_computation_bytes(comps, c, memo, active, loops), 1)
   active.discard(name)
   memo[name] = out
   return out
@@ -404,6 +408,22 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
       return dict.fromkeys(KINDS, 0)
     entry = list(comps)[-1]
   return dict(_computation_bytes(comps, entry, {}, set()))
+
+
+def collective_bytes_in_loops(hlo_text: str) -> dict[str, int]:
+  """The part of `collective_bytes` that runs inside while loops: {kind: int} over `KINDS`.
+
+  A collective that stays in its loop moves one slice per iteration (ZeRO-3's per-layer gathers);
+  one hoisted out of the loop moves the same bytes at once, so only this split tells them apart.
+  """
+  comps, entry = _parse_module(hlo_text)
+  if entry is None:
+    if not comps:
+      return dict.fromkeys(KINDS, 0)
+    entry = list(comps)[-1]
+  total = _computation_bytes(comps, entry, {}, set())
+  outside = _computation_bytes(comps, entry, {}, set(), loops=False)
+  return {k: total[k] - outside[k] for k in KINDS}
 
 
 def flops(compiled: Any) -> float | None:

@@ -11,10 +11,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 DATA = "data"
+# Name of every all-gathered parameter: `regather`'s checkpoint policy does not save these, so the
+# backward re-gathers a layer instead of keeping the whole stack unsharded until then.
+GATHERED = "zero3_gathered"
 
 
 def zero_dim(shape, spec: P, logical, mesh_shape) -> int:
@@ -105,12 +109,42 @@ def gather(tree: Any, dims: Any | None) -> Any:
   """Inside a shard_map manual over `data`: all-gather each leaf along its ZeRO dim.
 
   Autodiff turns each all-gather into a reduce-scatter, so stage-3 gradients come out summed over
-  `data` and already sharded.
+  `data` and already sharded. Results are named `GATHERED` (a no-op outside `regather`).
   """
   if dims is None:
     return tree
   return jax.tree_util.tree_map(
-      lambda x, d: x if d < 0 else jax.lax.all_gather(x, DATA, axis=d, tiled=True), tree, dims)
+      lambda x, d: x if d < 0 else checkpoint_name(
+          jax.lax.all_gather(x, DATA, axis=d, tiled=True), GATHERED), tree, dims)
+
+
+def regather(fn):
+  """`fn` (one scanned layer) under a checkpoint that saves everything but its gathered weights.
+
+  Without it, autodiff through a layer scan keeps every layer's gathered weights as residuals, so
+  the whole stack is unsharded on each device at the end of the forward; with it the backward
+  all-gathers each layer again (one more all-gather of the parameters per step, as in the ZeRO
+  paper) while activations are still saved, not recomputed.
+  """
+  return jax.checkpoint(fn, prevent_cse=False, policy=_save_all_but_gathered)
+
+
+# Ops that only move or cast data. A value the policy refuses is recomputed from its operands,
+# and those are saved if the policy allows: so the weight's whole path from the all-gather to
+# the matmul (cast to the compute dtype, reshape, q/k/v concatenation) must be refused, or a
+# copy of each gathered layer is saved in its place. Refusing them costs no FLOPs; an activation
+# on such a path is saved as its operand instead (the same size, or its float32 source).
+_VIEWS = frozenset({"all_gather", "convert_element_type", "reshape", "concatenate"})
+
+
+def _save_all_but_gathered(prim, *_, **params) -> bool:
+  """Checkpoint policy: anything is saveable except `GATHERED` values and `_VIEWS` ops.
+
+  jax 0.10.2's `save_anything_except_these_names` saves everything (it ignores its names).
+  """
+  if prim.name == "name":
+    return params.get("name") != GATHERED
+  return prim.name not in _VIEWS
 
 
 def shift(dims: Any, by: int = -1) -> Any:

@@ -136,7 +136,8 @@ def run_layers(layers: dict, x: jax.Array, cfg: ModelConfig, dims: Any = None, r
   """Scan `block` over a stack of layers. layers: leaves (L, ...); x (B, T, D).
 
   `dims` are the ZeRO-3 dims of the stacked leaves: each layer's shards are all-gathered inside
-  the scan body, so at most one layer is whole on a device at a time.
+  the scan body, and gathered again in the backward (`zero.regather`; full `remat` recomputes them
+  anyway), so at most a layer or two is whole on a device at a time.
   """
   layer_dims = zero.shift(dims)
 
@@ -145,6 +146,8 @@ def run_layers(layers: dict, x: jax.Array, cfg: ModelConfig, dims: Any = None, r
     return block(p, x, cfg, manual), None
   if remat:
     body = jax.checkpoint(body, prevent_cse=False)
+  elif dims is not None:
+    body = zero.regather(body)
   x, _ = jax.lax.scan(body, x, layers)
   return x
 
