@@ -142,18 +142,6 @@ def _batch_abstract(element_spec: dict, process_count: int) -> dict:
           for k, (shape, dtype) in element_spec.items()}
 
 
-def _eval_step(trainer: Trainer, batch_abstract: dict):
-  """jit: (params, global batch) -> {'loss': mean loss, **the model's metrics}; no gradients."""
-  model, dtype = trainer.model, trainer.compute_dtype
-
-  def fn(params, batch):
-    # Outside the shard_map the parameters are global arrays, so there is nothing to gather.
-    loss, aux = model.loss(params, batch, dtype, None, frozenset())
-    return {"loss": loss, **aux}
-  return jax.jit(fn, in_shardings=(trainer.state_shardings["params"],
-                                   trainer.batch_sharding(batch_abstract)))
-
-
 def resumable(cfg: Config, ckpt_dir: str) -> int | None:
   """The step of the newest complete checkpoint in `ckpt_dir`, or None.
 
@@ -233,7 +221,7 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
     """Mean loss and metrics over the first train.eval_steps batches of data.eval_split."""
     nonlocal eval_step
     if eval_step is None:
-      eval_step = _eval_step(trainer, batch_abstract)
+      eval_step = trainer.eval_jitted(batch_abstract)
     evals.restore({"epoch": 0, "position": 0})  # the same batches every time, so evals compare
     n = min(cfg.train.eval_steps or evals.steps_per_epoch, evals.steps_per_epoch)
     outs = jax.device_get([eval_step(params, _global_batch(evals.next(), batch_sharding))
@@ -293,7 +281,7 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
         if eval_now:
           jax.block_until_ready(m)  # the steps so far count as training time, the eval does not
           t_eval = time.perf_counter()
-          extra = evaluate(trainer.logical_params(state["params"]))  # model.loss takes its own order
+          extra = evaluate(state["params"])  # the step's own sharded path and layer order
           interval_t += time.perf_counter() - t_eval
         if step % cfg.train.log_every == 0 or save_now or eval_now:
           flush(step, extra)

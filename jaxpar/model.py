@@ -27,8 +27,8 @@ class ModelDef:
   abstract: Any  # same tree; jax.ShapeDtypeStruct leaves
   tokens_per_example: int = 0  # for tokens/s; 0 = not a sequence model
   flops_per_example: float = 0.0  # training FLOPs of one example (MFU); 0 = unknown
-  # (params, micro, schedule, dtype, dims, manual, loss_scale) -> (loss, metrics, grads of
-  # loss_scale * loss); None = no pipeline
+  # (params, micro, schedule, dtype, dims, manual, loss_scale, forward_only) -> (loss, metrics,
+  # grads of loss_scale * loss, or None when forward_only); None = no pipeline
   pipeline: Callable[..., tuple[jax.Array, dict, Any]] | None = None
 
 
@@ -121,8 +121,10 @@ def gpt(cfg, param_dtype=jnp.float32, remat: bool = False) -> ModelDef:
   def loss(params, batch, dtype=jnp.float32, dims=None, manual=frozenset()):
     return g.loss(params, batch, mc, dtype, dims, remat, manual)
 
-  def pipeline(params, micro, sched, dtype=jnp.float32, dims=None, manual=frozenset(), loss_scale=1.0):
-    return g.pipeline_grads(params, micro, mc, sched, dtype, dims, remat, manual, loss_scale)
+  def pipeline(params, micro, sched, dtype=jnp.float32, dims=None, manual=frozenset(), loss_scale=1.0,
+               forward_only=False):
+    return g.pipeline_grads(params, micro, mc, sched, dtype, dims, remat, manual, loss_scale,
+                            forward_only)
   # DESIGN's model FLOPs per token: 6 N_nonembedding + 12 L D T (causal attention counted in full)
   flops_tok = 6 * g.n_params_nonembedding(mc) + 12 * mc.n_layers * mc.d_model * mc.seq_len
   return ModelDef(init=base.init, loss=loss, logical=base.logical, abstract=base.abstract,

@@ -220,7 +220,8 @@ def _fit_slots(a: np.ndarray, P: int, M: int, V: int, start: int) -> int:
   return M * V
 
 
-def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, loss_scale=1.0):
+def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, loss_scale=1.0,
+            forward_only=False):
   """Runs `sched` inside a shard_map manual over `pipeline`; returns (loss, layer grads, top grads).
 
   layers: this stage's layers, leaves [V·Lc, ...] (chunk c = rows c·Lc ...); top: the parameters
@@ -230,6 +231,9 @@ def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, lo
   scale seeds each microbatch's cotangent, so a float16 backward carries scaled values all the way
   (the caller divides it out). Top grads are summed over stages here, so every stage returns the
   full gradient of the replicated parameters.
+
+  With `forward_only` (evaluation) the table's backward slots idle, the last chunk's stage adds
+  each microbatch's loss as its forward completes, and no gradients are made (both None).
   """
   P, M, V, K = sched.stages, sched.microbatches, sched.virtual_stages, sched.slots
   s = jax.lax.axis_index(PIPE)
@@ -249,6 +253,10 @@ def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, lo
     x = jax.lax.cond((s == 0) & (c == 0), lambda: embed_fn(top, take(micro, i)),
                      lambda: recv_f[slot(i, c)])
     y = stage_fn(chunk(c), x)
+    if forward_only:  # nothing to stash for a backward; the last chunk's output is scored now
+      l = jax.lax.cond((s == P - 1) & (c == V - 1), lambda: loss_fn(top, y, take(micro, i)) / M,
+                       lambda: jnp.zeros((), jnp.float32))
+      return (stash, recv_f, recv_b, g_layers, g_top, loss + l), y, zeros_x
     return (stash.at[slot(i, c)].set(x), recv_f, recv_b, g_layers, g_top, loss), y, zeros_x
 
   def bwd(carry, i, c):
@@ -278,7 +286,7 @@ def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, lo
 
   def tick(carry, t):
     kind, i, c = actions[t, s, 0], actions[t, s, 1], actions[t, s, 2]
-    carry, y, dx = jax.lax.switch(kind, [idle, fwd, bwd], carry, i, c)
+    carry, y, dx = jax.lax.switch(kind, [idle, fwd, idle if forward_only else bwd], carry, i, c)
     y_in = jax.lax.ppermute(y, PIPE, [(j, (j + 1) % P) for j in range(P)])
     dx_in = jax.lax.ppermute(dx, PIPE, [(j, (j - 1) % P) for j in range(P)])
     stash, recv_f, recv_b, g_layers, g_top, loss = carry
@@ -293,7 +301,13 @@ def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, lo
     return (stash, recv_f, recv_b, g_layers, g_top, loss), None
 
   buf = jnp.zeros((K,) + x_shape.shape, x_shape.dtype)
-  init = (buf, buf, buf, zeros_like(layers), zeros_like(top), jnp.zeros((), jnp.float32))
+  if forward_only:  # no gradient accumulators, no stash
+    init = (jnp.zeros((0,) + x_shape.shape, x_shape.dtype), buf, buf, None, None,
+            jnp.zeros((), jnp.float32))
+  else:
+    init = (buf, buf, buf, zeros_like(layers), zeros_like(top), jnp.zeros((), jnp.float32))
   (_, _, _, g_layers, g_top, loss), _ = jax.lax.scan(tick, init, jnp.arange(sched.ticks))
+  if forward_only:
+    return jax.lax.psum(loss, PIPE), None, None
   loss, g_top = jax.lax.psum((loss, g_top), PIPE)
   return loss, g_layers, g_top

@@ -112,21 +112,16 @@ class Trainer:
     """Inverse of `to_logical`."""
     return self._reordered(state, inverse=False)
 
-  def logical_params(self, params: Any) -> Any:
-    """Only the parameters in the model's own order (what `model.loss` expects), for eval."""
-    return self._reordered(params, inverse=True, part="params")
-
-  def _reordered(self, tree: Any, inverse: bool, part: str | None = None) -> Any:
-    """Applies the layer order (or its inverse) with one compiled, cached program per kind."""
+  def _reordered(self, tree: Any, inverse: bool) -> Any:
+    """Applies the layer order (or its inverse) with one compiled, cached program per direction."""
     if self.layer_order is None:
       return tree
-    key = (inverse, part)
-    if key not in self._reorder_fns:
+    if inverse not in self._reorder_fns:
       order = np.argsort(self.layer_order) if inverse else self.layer_order
-      shardings = self.state_shardings if part is None else self.state_shardings[part]
-      self._reorder_fns[key] = jax.jit(lambda t: self._reorder(t, order), out_shardings=shardings)
+      self._reorder_fns[inverse] = jax.jit(lambda t: self._reorder(t, order),
+                                           out_shardings=self.state_shardings)
     with jax.set_mesh(self.mesh):
-      return self._reorder_fns[key](tree)
+      return self._reorder_fns[inverse](tree)
 
   def batch_sharding(self, batch_abstract: Any) -> Any:
     """Every batch leaf is split over `data` on its leading axis."""
@@ -134,14 +129,62 @@ class Trainer:
 
   # -- step --------------------------------------------------------------------------------------
 
+  def _manual(self) -> tuple[bool, frozenset]:
+    """(whether `data` splits the batch, the mesh axes the step's shard_map is manual over)."""
+    data_sharded = self.mesh.shape[zero.DATA] > 1
+    on = ((zero.DATA, data_sharded), (PIPE, self.schedule is not None))
+    return data_sharded, frozenset(a for a, yes in on if yes)
+
+  def _sharded(self, local, params, batch, out_specs):
+    """`local(params, batch)` inside a shard_map manual over `_manual()` axes (or as it is)."""
+    _, manual = self._manual()
+    if not manual:
+      return local(params, batch)
+    keep = lambda tree: jax.tree_util.tree_map(lambda spec: _manual_only(spec, manual), tree,
+                                               is_leaf=lambda x: isinstance(x, P))
+    batch_spec = P(zero.DATA) if zero.DATA in manual else P()
+    in_specs = (keep(self.layout.params), jax.tree_util.tree_map(lambda _: batch_spec, batch))
+    return jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=keep(out_specs),
+                         axis_names=manual, check_vma=self.schedule is None)(params, batch)
+
+  def _micro(self, batch):
+    """Batch leaves (b, ...) -> (M, b / M, ...) for the pipeline schedule's M microbatches."""
+    M = self.schedule.microbatches
+    return jax.tree_util.tree_map(lambda x: x.reshape((M, x.shape[0] // M) + x.shape[1:]), batch)
+
+  def eval_loss(self, params, batch):
+    """(params, global batch) -> (mean loss, metrics), no gradients, on the step's sharded path:
+    manual over `data` with ZeRO-3 layers gathered one at a time, the pipeline schedule's forward
+    when there is one. `params` are the state's own (stage order under the circular schedule)."""
+    L, model, dtype, sched = self.layout, self.model, self.compute_dtype, self.schedule
+    data_sharded, manual = self._manual()
+
+    def local(params, batch):
+      if sched is not None:
+        loss, aux, _ = model.pipeline(params, self._micro(batch), sched, dtype, L.param_dims,
+                                      manual, forward_only=True)
+      else:
+        loss, aux = model.loss(params, batch, dtype, L.param_dims, manual)
+      if data_sharded:
+        loss, aux = jax.lax.pmean((loss, aux), zero.DATA)
+      return loss, aux
+    return self._sharded(local, params, batch, (P(), P()))
+
+  def eval_jitted(self, batch_abstract: Any):
+    """`eval_loss` jitted with the state's parameter shardings -> {'loss', **metrics}."""
+    def fn(params, batch):
+      loss, aux = self.eval_loss(params, batch)
+      return {"loss": loss, **aux}
+    return jax.jit(fn, in_shardings=(self.state_shardings["params"],
+                                     self.batch_sharding(batch_abstract)))
+
   def _grads(self, params, batch):
     """(params, global batch) -> (loss, metrics, grads with the layout's grad shardings)."""
     L = self.layout
     stage, accum = L.stage, self.cfg.train.grad_accum
     scale = self.cfg.precision.loss_scale
     model, dtype, sched = self.model, self.compute_dtype, self.schedule
-    data_sharded = self.mesh.shape[zero.DATA] > 1
-    manual = frozenset(a for a, on in ((zero.DATA, data_sharded), (PIPE, sched is not None)) if on)
+    data_sharded, manual = self._manual()
     # Without a pipeline the body is differentiated by jax.grad under vma checking; the pipeline
     # executor differentiates by hand (jax.vjp per stage), where per-device values are simply local.
     vma = sched is None
@@ -152,10 +195,8 @@ class Trainer:
 
       def one(mb):  # -> (loss, metrics, grads) of one microbatch of this shard
         if sched is not None:
-          micro = jax.tree_util.tree_map(
-              lambda x: x.reshape((sched.microbatches, x.shape[0] // sched.microbatches) + x.shape[1:]), mb)
           # the schedule seeds each microbatch's backward with the scale (not a multiply after)
-          return model.pipeline(params, micro, sched, dtype, L.param_dims, manual, scale)
+          return model.pipeline(params, self._micro(mb), sched, dtype, L.param_dims, manual, scale)
 
         def scaled(p):
           loss, aux = model.loss(p, mb, dtype, L.param_dims, manual)
@@ -194,15 +235,7 @@ class Trainer:
       loss, aux = jax.lax.pmean((loss, aux), zero.DATA)
       return loss, aux, grads
 
-    if not manual:
-      return local(params, batch)
-    keep = lambda tree: jax.tree_util.tree_map(lambda spec: _manual_only(spec, manual), tree,
-                                               is_leaf=lambda x: isinstance(x, P))
-    batch_spec = P(zero.DATA) if data_sharded else P()
-    in_specs = (keep(L.params), jax.tree_util.tree_map(lambda _: batch_spec, batch))
-    out_specs = (P(), P(), keep(L.grads))
-    return jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                         axis_names=manual, check_vma=vma)(params, batch)
+    return self._sharded(local, params, batch, (P(), P(), L.grads))
 
   def step_fn(self, state: dict, batch: dict) -> tuple[dict, dict]:
     """One optimizer step on one global batch. Pure; `compiled_step` jits it."""

@@ -1,9 +1,14 @@
-"""Every layout against one device: same inputs, per-step losses, gradients and final parameters.
+"""Every distinct layout against one device: same inputs, per-step losses, gradients and final
+parameters.
 
 Tolerance (fp32): 1e-5 relative. Losses are compared step by step; gradients and parameters leaf
-by leaf as ||a - b|| <= 1e-5 ||b|| (what "relative" means for a tensor), plus 1e-7 of the whole
-tree's norm for leaves whose exact value is zero: the key bias's gradient is zero in exact
-arithmetic (softmax ignores a shift shared by all keys), so only rounding noise is left to compare.
+by leaf as ||a - b|| <= 1e-5 ||b||, which is what "relative" means for a tensor. No absolute floor:
+every leaf of the decoder has a nonzero gradient (the key bias, whose exact gradient is zero, is
+not a parameter).
+
+Layouts are distinct programs only: with data = 1 the ZeRO stages shard nothing and compile to the
+same step, so tensor parallelism alone is run once per mesh, and the stages are run where `data`
+splits something (4x2x1 with tensor parallelism, 2x2x2 with a pipeline, 8x1x1 pure data).
 """
 import jax
 import jax.numpy as jnp
@@ -55,11 +60,10 @@ def train(cfg, shape, data):
 
 def assert_trees_close(got, want, what):
   flat_w = dict(jax.tree_util.tree_leaves_with_path(want))
-  floor = 1e-7 * np.sqrt(sum(np.sum(np.square(w, dtype=np.float64)) for w in flat_w.values()))
   for path, g in jax.tree_util.tree_leaves_with_path(got):
     w = np.asarray(flat_w[path], np.float64)
     err, norm = np.linalg.norm(np.asarray(g, np.float64) - w), np.linalg.norm(w)
-    assert err <= RTOL * norm + floor, (
+    assert err <= RTOL * norm, (
         f"{what} {jax.tree_util.keystr(path)}: |a-b| = {err:.3e}, |b| = {norm:.3e}")
 
 
@@ -70,10 +74,17 @@ def reference():
   return data, train(cfg, (1, 1, 1), data)
 
 
-LAYOUTS = [(s, z) for s in [(8, 1, 1), (2, 4, 1), (4, 2, 1), (1, 4, 1), (1, 8, 1)] for z in range(4)]
+# (mesh, ZeRO stage): every stage where `data` > 1 splits state; tensor parallelism alone once.
+LAYOUTS = ([((4, 2, 1), z) for z in range(4)] + [((2, 2, 2), z) for z in range(4)]
+           + [((8, 1, 1), 0), ((8, 1, 1), 3), ((1, 8, 1), 0), ((1, 4, 1), 0)])
 
 
-@pytest.mark.parametrize("shape,stage", LAYOUTS, ids=[f"{'x'.join(map(str, s))}-zero{z}" for s, z in LAYOUTS])
+def layout_id(shape, stage):
+  d, m, p = shape
+  return f"data{d}-model{m}-pipeline{p}-zero{stage}-vs-1x1x1"
+
+
+@pytest.mark.parametrize("shape,stage", LAYOUTS, ids=[layout_id(s, z) for s, z in LAYOUTS])
 def test_layout_matches_single_device(reference, shape, stage):
   data, (ref_losses, ref_params, ref_grads) = reference
   losses, params, grads = train(make_cfg(f"parallel.zero_stage={stage}"), shape, data)
@@ -83,27 +94,27 @@ def test_layout_matches_single_device(reference, shape, stage):
   assert_trees_close(params, ref_params, "parameter")
 
 
-def test_grad_accum_matches_large_batch(reference):
+def test_grad_accum_4_2x2x1_zero2_vs_large_batch_1x1x1(reference):
   data, (ref_losses, ref_params, _) = reference
   losses, params, _ = train(make_cfg("train.grad_accum=4", "parallel.zero_stage=2"), (2, 2, 1), data)
   np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
   assert_trees_close(params, ref_params, "parameter")
 
 
-def test_grouped_query_attention_tensor_parallel():
+def test_grouped_query_attention_2x4x1_zero3_vs_1x1x1():
   cfg = make_cfg("model.n_kv_heads=4")
   data = batches(cfg, 2)
   ref, _, ref_grads = train(cfg, (1, 1, 1), data)
-  got, _, grads = train(cfg, (2, 4, 1), data)
+  got, _, grads = train(make_cfg("model.n_kv_heads=4", "parallel.zero_stage=3"), (2, 4, 1), data)
   np.testing.assert_allclose(got, ref, rtol=RTOL)
   assert_trees_close(grads, ref_grads, "gradient")
 
 
-def test_offload_optimizer_matches():
+def test_offload_optimizer_8x1x1_zero3_vs_1x1x1():
   cfg = make_cfg()
   data = batches(cfg, 2)
   ref, ref_params, _ = train(cfg, (1, 1, 1), data)
-  got, params, _ = train(make_cfg("parallel.offload_optimizer=true", "parallel.zero_stage=1"),
+  got, params, _ = train(make_cfg("parallel.offload_optimizer=true", "parallel.zero_stage=3"),
                          (8, 1, 1), data)
   np.testing.assert_allclose(got, ref, rtol=RTOL)
   assert_trees_close(params, ref_params, "parameter")

@@ -202,12 +202,14 @@ def n_params_nonembedding(cfg: ModelConfig) -> int:
 
 
 def pipeline_grads(params: dict, micro: dict, cfg: ModelConfig, sched, dtype=jnp.float32,
-                   dims: Any = None, remat: bool = False, manual=frozenset(), loss_scale=1.0):
+                   dims: Any = None, remat: bool = False, manual=frozenset(), loss_scale=1.0,
+                   forward_only=False):
   """Loss and gradients through the pipeline schedule `sched` (inside a shard_map over `pipeline`).
 
   params: this stage's layers (leaves [L/P, ...]) and the replicated embeddings / head;
   micro['tokens']: [M, b, T+1]. ZeRO-3 shards are gathered inside each use, so their gradients
-  come back reduce-scattered. Gradients are of `loss_scale` times the loss.
+  come back reduce-scattered. Gradients are of `loss_scale` times the loss; with `forward_only`
+  (evaluation) there are none (None).
   """
   from jaxpar import pipeline
   top = {k: v for k, v in params.items() if k != "layers"}
@@ -223,5 +225,7 @@ def pipeline_grads(params: dict, micro: dict, cfg: ModelConfig, sched, dtype=jnp
   def loss_fn(t, x, mb):
     return cross_entropy(head_logits(zero.gather(t, top_dims), x), mb["tokens"][:, 1:])
   loss, g_layers, g_top = pipeline.execute(sched, params["layers"], top, micro, embed_fn, stage_fn,
-                                           loss_fn, loss_scale)
+                                           loss_fn, loss_scale, forward_only)
+  if forward_only:
+    return loss, {}, None
   return loss, {}, {**g_top, "layers": g_layers}
