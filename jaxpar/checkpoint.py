@@ -222,6 +222,52 @@ def read_state(directory: str, step: int | None = None) -> dict:
     return ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
 
 
+def _state_reader() -> ocp.PyTreeCheckpointer:
+  return ocp.PyTreeCheckpointer()
+
+
+def stored_params(directory: str, step: int) -> dict[str, Any]:
+  """'a/b' -> orbax's metadata (shape, dtype) of every stored parameter; nothing is read."""
+  with _state_reader() as reader:
+    tree = _tree(reader.metadata(os.path.join(_step_dir(directory, step), STATE)))
+  return _leaves(tree["params"])
+
+
+def _read_params(directory: str, step: int, item: Any, restore_args: Any) -> Any:
+  """The parameters named by `item` (a subtree of the stored params), and nothing else."""
+  with _state_reader() as reader:
+    out = reader.restore(os.path.join(_step_dir(directory, step), STATE),
+                         args=ocp.args.PyTreeRestore(item={"params": item},
+                                                     restore_args={"params": restore_args},
+                                                     partial_restore=True))
+  return out["params"]
+
+
+def restore_params(directory: str, step: int, abstract_params: Any, shardings: Any) -> Any:
+  """Only the parameters of `step`, each read straight into its shards (no optimizer state)."""
+  with _quiet():
+    check_shapes({"params": _tree(_state_reader().metadata(
+        os.path.join(_step_dir(directory, step), STATE)))["params"]}, {"params": abstract_params})
+  target = jax.tree_util.tree_map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_params, shardings)
+  return _read_params(directory, step, target, ocp.checkpoint_utils.construct_restore_args(target))
+
+
+def read_param(directory: str, step: int, name: str) -> np.ndarray:
+  """One stored parameter ('layers/wq') of `step` as a whole numpy array."""
+  item: dict = {}
+  node = item
+  *parents, leaf = name.split("/")
+  for key in parents:
+    node = node.setdefault(key, {})
+  node[leaf] = 0
+  args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+  out = _read_params(directory, step, item, args)
+  for key in name.split("/"):
+    out = out[key]
+  return out
+
+
 def read_extra(directory: str, step: int | None = None) -> dict:
   """The JSON saved beside the state of `step` (default: the latest), read with plain orbax."""
   path = os.path.join(_step_dir(directory, step), EXTRA)

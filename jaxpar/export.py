@@ -6,9 +6,11 @@ with plain orbax as whole numpy arrays.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import tempfile
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -42,6 +44,24 @@ def param_tensors(params) -> dict[str, np.ndarray]:
           for p, x in jax.tree_util.tree_leaves_with_path(params)}
 
 
+# safetensors' names for numpy dtypes (its format's header spells dtypes this way)
+_ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+              "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
+              "bool": "BOOL"}
+
+
+def _header(shapes: dict[str, tuple[tuple[int, ...], Any]], metadata: dict[str, str]) -> bytes:
+  """The safetensors header for tensors written in `shapes`' order, back to back."""
+  head: dict[str, Any] = {"__metadata__": metadata}
+  offset = 0
+  for name, (shape, dtype) in shapes.items():
+    size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    head[name] = {"dtype": _ST_DTYPES[np.dtype(dtype).name], "shape": [int(d) for d in shape],
+                  "data_offsets": [offset, offset + size]}
+    offset += size
+  text = json.dumps(head, separators=(",", ":")).encode()
+  text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+  return len(text).to_bytes(8, "little") + text
 def config_path(out: str) -> str:
   """'dir/model.safetensors' -> 'dir/model.json'."""
   return out[:-len(SUFFIX)] + ".json"
@@ -54,16 +74,33 @@ def _new_file_mode() -> int:
   return 0o666 & ~mask
 
 
-def write_safetensors(tensors: dict[str, np.ndarray], out: str, metadata: dict[str, str]) -> None:
-  """Writes `out` atomically (a temporary file beside it, then a rename), mode 0666 & ~umask."""
-  from safetensors.numpy import save_file
+def write_safetensors(shapes: dict[str, tuple[tuple[int, ...], Any]],
+                      read: Callable[[str], np.ndarray], out: str,
+                      metadata: dict[str, str]) -> None:
+  """Writes `out` tensor by tensor: `read(name)` is called once per name of `shapes` ({name:
+  (shape, dtype)}), in order, and its array is written and dropped before the next is read, so
+  the host holds one tensor at a time. Atomic (a temporary file beside it, then a rename), with
+  mode 0666 & ~umask."""
   parent = os.path.dirname(os.path.abspath(out))
   os.makedirs(parent, exist_ok=True)
   fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)
-  os.close(fd)
   try:
-    save_file(tensors, tmp, metadata=metadata)
-    # mkstemp and safetensors both create owner-only files; an export is meant to be shared.
+    with os.fdopen(fd, "wb") as f:
+      f.write(_header(shapes, metadata))
+      for name, (shape, dtype) in shapes.items():
+        x = np.asarray(read(name))
+        x = x if x.flags.c_contiguous else np.ascontiguousarray(x)  # (which makes 0-d arrays 1-d)
+        if x.shape != tuple(shape) or x.dtype != np.dtype(dtype):
+          raise ValueError(f"tensor {name} read as {x.dtype}{list(x.shape)}, stored as "
+                           f"{np.dtype(dtype)}{list(shape)}")
+        if x.dtype.byteorder == ">":  # safetensors is little-endian
+          x = x.byteswap().view(x.dtype.newbyteorder("<"))
+        f.write(x.reshape(-1).view(np.uint8).data)  # the array's own bytes, not a copy
+        # orbax leaves the array it read in a finished asyncio future inside a reference cycle;
+        # collect it now, or the tensors pile up until Python's next collection.
+        del x
+        gc.collect()
+    # mkstemp creates owner-only files; an export is meant to be shared.
     os.chmod(tmp, _new_file_mode())
     os.replace(tmp, out)
   except BaseException:
@@ -77,13 +114,16 @@ def export(workdir: str, out: str, step: int | None = None) -> dict:
   if not out.endswith(SUFFIX):
     raise ConfigError(f"--out {out} must end with {SUFFIX}")
   directory, step = checkpoint_step(workdir, step)
-  tensors = param_tensors(checkpoint.read_state(directory, step)["params"])
+  # Shapes from the checkpoint's metadata; then one parameter read, written and dropped at a time.
+  shapes = {name: (tuple(m.shape), m.dtype)
+            for name, m in sorted(checkpoint.stored_params(directory, step).items())}
   cfg = checkpoint.read_extra(directory, step).get("config", {})
   info = {"jaxpar_version": jaxpar.__version__, "step": step, "model": cfg.get("model", {}),
           "param_dtype": cfg.get("precision", {}).get("param_dtype"),
-          "n_params": int(sum(x.size for x in tensors.values())), "n_tensors": len(tensors)}
-  write_safetensors(tensors, out, {"format": "jaxpar", "jaxpar_version": jaxpar.__version__,
-                                   "step": str(step)})
+          "n_params": int(sum(np.prod(shape) for shape, _ in shapes.values())),
+          "n_tensors": len(shapes)}
+  write_safetensors(shapes, lambda name: checkpoint.read_param(directory, step, name), out,
+                    {"format": "jaxpar", "jaxpar_version": jaxpar.__version__, "step": str(step)})
   with open(config_path(out), "w") as f:
     json.dump(info, f, indent=2)
     f.write("\n")

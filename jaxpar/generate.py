@@ -56,9 +56,9 @@ class Sampler:
     if self.cfg.model.kind != "gpt":
       raise ConfigError(f"model.kind={self.cfg.model.kind!r} does not generate text; only gpt does")
     self.trainer = loop.prepare(self.cfg, mesh_shape)
-    with checkpoint.Checkpointer(directory, keep=1, every=0) as ckpt:
-      state, _ = ckpt.restore(self.step, self.trainer.abstract_state, self.trainer.state_shardings)
-    self.params = state["params"]  # the optimizer state is dropped here
+    # The parameters alone, in the checkpoint's (model) order: the optimizer state is never read.
+    self.params = checkpoint.restore_params(directory, self.step, self.trainer.model.abstract,
+                                            self.trainer.state_shardings["params"])
     self.mesh = self.trainer.mesh
     self._compiled: dict = {}
 

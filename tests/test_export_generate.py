@@ -163,3 +163,39 @@ def test_plain_orbax_reads_the_checkpoint_without_jaxpar(run, tmp_path):
     shape, total = got["params"][key]
     assert tuple(shape) == x.shape, key
     assert total == pytest.approx(float(np.sum(x, dtype=np.float64)), rel=1e-12, abs=1e-12), key
+
+
+def test_sampler_restores_the_parameters_only(run, monkeypatch):
+  """The optimizer state is never read: the whole-state restore is not used, and what is read
+  onto the devices is the parameters' bytes exactly (not 3x: parameters + Adam moments)."""
+  def whole_state(*a, **k):
+    raise AssertionError("the sampler restored the whole train state")
+  monkeypatch.setattr(checkpoint.Checkpointer, "restore", whole_state)
+  before = {id(a) for a in jax.live_arrays()}
+  sampler = generate.Sampler(str(run["workdir"]), (8, 1, 1))
+  new = [a for a in jax.live_arrays() if id(a) not in before]
+  params = sum(x.nbytes for x in jax.tree_util.tree_leaves(run["params"]))
+  assert sum(a.nbytes for a in new) == params
+  assert sampler.generate(PROMPT, max_new_tokens=4, temperature=0)
+
+
+def test_export_holds_one_parameter_at_a_time(run, tmp_path, monkeypatch):
+  """Export reads, writes and drops one tensor at a time: when a parameter is read, every one
+  read before it is already freed (the old export held the whole tree, then its serialisation)."""
+  import weakref
+  from jaxpar import export
+  real, held, reads = checkpoint.read_param, [], []
+
+  def read_one(directory, step, name):
+    assert all(ref() is None for ref in held), f"a parameter is still alive when {name} is read"
+    x = real(directory, step, name)
+    held.append(weakref.ref(x))
+    reads.append(name)
+    return x
+  monkeypatch.setattr(checkpoint, "read_param", read_one)
+  out = tmp_path / "m.safetensors"
+  export.export(str(run["workdir"]), str(out))
+  assert sorted(reads) == sorted(export.param_tensors(run["params"]))  # each once, by itself
+  from safetensors.numpy import load_file
+  for name, x in load_file(str(out)).items():
+    np.testing.assert_array_equal(x, export.param_tensors(run["params"])[name])

@@ -84,7 +84,8 @@ def test_safetensors_written_with_umask_mode(tmp_path, umask):
   out = tmp_path / "model.safetensors"
   old = os.umask(umask)
   try:
-    export.write_safetensors({"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, str(out),
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    export.write_safetensors({"w": (w.shape, w.dtype)}, lambda name: w, str(out),
                              {"format": "jaxpar"})
   finally:
     os.umask(old)
@@ -97,5 +98,26 @@ def test_safetensors_write_failure_keeps_the_old_file(tmp_path):
   out = tmp_path / "model.safetensors"
   out.write_bytes(b"old")
   with pytest.raises(Exception):
-    export.write_safetensors({"w": object()}, str(out), {})
+    def fail(name):
+      raise OSError("the checkpoint became unreadable")
+    export.write_safetensors({"w": ((2,), np.float32)}, fail, str(out), {})
   assert out.read_bytes() == b"old" and os.listdir(tmp_path) == ["model.safetensors"]
+
+
+def test_safetensors_stream_loads_with_the_safetensors_library(tmp_path):
+  """Written tensor by tensor with its own header; safetensors reads every dtype and shape back."""
+  import ml_dtypes
+  from safetensors.numpy import load_file
+  rng = np.random.default_rng(0)
+  tensors = {"b/bias": rng.normal(size=(3,)).astype(np.float32),
+             "a/kernel": rng.normal(size=(4, 5, 2)).astype(ml_dtypes.bfloat16),
+             "c/count": np.arange(7, dtype=np.int32), "d/scalar": np.array(1.5, np.float16),
+             "e/half": rng.normal(size=(3, 1)).astype(np.float16)}
+  out = tmp_path / "m.safetensors"
+  export.write_safetensors({k: (v.shape, v.dtype) for k, v in tensors.items()}, tensors.__getitem__,
+                           str(out), {"format": "jaxpar"})
+  back = load_file(str(out))
+  assert set(back) == set(tensors)
+  for k, v in tensors.items():
+    assert back[k].dtype == v.dtype and back[k].shape == v.shape
+    np.testing.assert_array_equal(back[k], v)
