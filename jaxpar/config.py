@@ -20,7 +20,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-  kind: str = "gpt"  # gpt | cnn
+  kind: str = "gpt"  # gpt (GPT-2 style) | llama (RMSNorm, rotary, SwiGLU) | cnn
   n_layers: int = 4
   d_model: int = 128
   n_heads: int = 4
@@ -28,6 +28,10 @@ class ModelConfig:
   d_ff: int = 512
   vocab_size: int = 256  # byte-level tokens
   seq_len: int = 128
+  tie_embeddings: bool = False  # the LM head is the token embedding transposed (GPT-2's layout)
+  max_positions: int = 0  # gpt: rows of the position table; 0 = seq_len (imports keep theirs)
+  norm_eps: float = 1e-5  # llama: RMSNorm epsilon
+  rope_theta: float = 10000.0  # llama: rotary base
   num_classes: int = 10  # cnn only
 
 
@@ -99,7 +103,7 @@ class Config:
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _CHOICES = {
-    "model.kind": ("gpt", "cnn"),
+    "model.kind": ("gpt", "llama", "cnn"),
     "data.source": ("local_text", "tfds", "synthetic"),
     "parallel.schedule": ("gpipe", "circular", "1f1b"),
     "precision.param_dtype": _DTYPES,
@@ -109,7 +113,7 @@ _POSITIVE = ("model.n_layers", "model.d_model", "model.n_heads", "model.d_ff", "
              "model.seq_len", "model.num_classes", "train.steps", "train.batch_size",
              "train.grad_accum", "train.log_every",
              "parallel.virtual_stages", "checkpoint.keep")
-_NON_NEGATIVE = ("model.n_kv_heads", "parallel.microbatches", "train.warmup_steps", "train.weight_decay", "train.clip_norm",
+_NON_NEGATIVE = ("model.n_kv_heads", "model.max_positions", "parallel.microbatches", "train.warmup_steps", "train.weight_decay", "train.clip_norm",
                  "checkpoint.every", "data.max_bytes", "train.lr", "data.workers",
                  "train.eval_every", "train.eval_steps")
 
@@ -186,12 +190,18 @@ def validate(cfg: Config) -> Config:
   if cfg.parallel.zero_stage not in (0, 1, 2, 3):
     raise ConfigError(f"config key parallel.zero_stage={cfg.parallel.zero_stage} must be 0, 1, 2 or 3")
   m = cfg.model
-  if m.kind == "gpt":
+  if m.kind in ("gpt", "llama"):
     if m.d_model % m.n_heads:
       raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
     kv = m.n_kv_heads or m.n_heads
     if m.n_heads % kv:
       raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={kv}")
+    if m.kind == "llama" and (m.d_model // m.n_heads) % 2:
+      raise ConfigError(f"model.d_model/model.n_heads={m.d_model // m.n_heads} must be even: "
+                        f"rotary embeddings turn pairs of dimensions")
+    if m.max_positions and m.max_positions < m.seq_len:
+      raise ConfigError(f"model.max_positions={m.max_positions} is shorter than "
+                        f"model.seq_len={m.seq_len}")
   if cfg.train.batch_size % cfg.train.grad_accum:
     raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not divisible by "
                       f"train.grad_accum={cfg.train.grad_accum}")

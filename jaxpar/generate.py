@@ -15,9 +15,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import checkpoint, export, precision, zero
 from jaxpar import config as jconfig
+from jaxpar import mesh as jmesh
+from jaxpar import model as jmodel
 from jaxpar.config import ConfigError
 from jaxpar.data import SEPARATOR, VOCAB_SIZE, tokenize
-from jaxpar.models import gpt
+from jaxpar.models import decoder
 
 
 def _overridden(cfg: jconfig.Config, overrides) -> jconfig.Config:
@@ -53,8 +55,9 @@ class Sampler:
     if stored is None:
       raise ConfigError(f"the checkpoint of step {self.step} in {directory} has no config")
     self.cfg = _overridden(jconfig.from_dict(stored), overrides)
-    if self.cfg.model.kind != "gpt":
-      raise ConfigError(f"model.kind={self.cfg.model.kind!r} does not generate text; only gpt does")
+    if self.cfg.model.kind not in jmesh.DECODERS:
+      raise ConfigError(f"model.kind={self.cfg.model.kind!r} does not generate text; only "
+                        f"{' and '.join(jmesh.DECODERS)} do")
     self.trainer = loop.prepare(self.cfg, mesh_shape)
     # The parameters alone, in the checkpoint's (model) order: the optimizer state is never read.
     self.params = checkpoint.restore_params(directory, self.step, self.trainer.model.abstract,
@@ -68,6 +71,7 @@ class Sampler:
     if signature in self._compiled:
       return self._compiled[signature]
     mc = self.cfg.model
+    parts = jmodel.decoder_parts(mc)
     T, dtype = mc.seq_len, precision.compute_dtype(self.cfg.precision)
     N = max(n_prompt + n_new, T)  # the token buffer; the window never runs past its end
 
@@ -79,7 +83,7 @@ class Sampler:
         start = jnp.clip(pos - T, 0, N - T)
         window = jax.lax.dynamic_slice_in_dim(out, start, T, axis=1)  # (B, T)
         # Causal attention: positions after pos - 1 (zeros still) do not change its logits.
-        logits = gpt.forward(params, window, mc, dtype)  # (B, T, V)
+        logits = decoder.forward(parts, params, window, dtype)  # (B, T, V)
         last = jax.lax.dynamic_index_in_dim(logits, pos - 1 - start, axis=1, keepdims=False)
         token = pick(last, jax.random.fold_in(key, i), temperature, top_k)
         return jax.lax.dynamic_update_slice_in_dim(out, token[:, None], pos, axis=1)

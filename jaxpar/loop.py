@@ -39,12 +39,12 @@ class RunResult:
 
 def build_model(cfg: Config) -> jmodel.ModelDef:
   """The ModelDef for `model.kind`."""
-  if cfg.model.kind == "gpt":
-    return jmodel.gpt(cfg, precision.param_dtype(cfg.precision), cfg.parallel.remat)
+  if cfg.model.kind in jmesh.DECODERS:
+    return jmodel.decoder(cfg, precision.param_dtype(cfg.precision), cfg.parallel.remat)
   if cfg.model.kind == "cnn":
     from jaxpar.models import cnn
     return cnn.model_def(cfg)
-  raise ConfigError(f"model.kind={cfg.model.kind!r} is not one of gpt, cnn")
+  raise ConfigError(f"model.kind={cfg.model.kind!r} is not one of gpt, llama, cnn")
 
 
 def prepare(cfg: Config, mesh_shape: tuple[int, int, int]) -> Trainer:

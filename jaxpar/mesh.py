@@ -38,6 +38,9 @@ def ensure_cpu_devices(n: int) -> bool:
   return True
 
 
+DECODERS = ("gpt", "llama")  # model kinds with heads, a layer stack and a pipeline form
+
+
 def check(shape: tuple[int, int, int], cfg: Config, n_devices: int) -> None:
   """Every degree against the devices and the model, one message naming all of them."""
   d, m, p = shape
@@ -49,7 +52,7 @@ def check(shape: tuple[int, int, int], cfg: Config, n_devices: int) -> None:
   micro = tc.batch_size // tc.grad_accum
   if micro % d:
     problems.append(f"train.batch_size/train.grad_accum={micro} is not divisible by data={d}")
-  if mc.kind == "gpt":
+  if mc.kind in DECODERS:
     kv = mc.n_kv_heads or mc.n_heads
     for name, value in (("model.n_heads", mc.n_heads), ("model.n_kv_heads", kv),
                         ("model.d_ff", mc.d_ff), ("model.vocab_size", mc.vocab_size)):

@@ -111,22 +111,38 @@ def from_linen(module: Any, example_input: Any, loss_fn: LossFn, input_key: str 
   return ModelDef(init=init, loss=loss, logical=logical, abstract=abstract)
 
 
-def gpt(cfg, param_dtype=jnp.float32, remat: bool = False) -> ModelDef:
-  """jaxpar's decoder (models/gpt.py): ZeRO-3 gathers one layer at a time inside the scan."""
-  from jaxpar.models import gpt as g
+def decoder(cfg, param_dtype=jnp.float32, remat: bool = False) -> ModelDef:
+  """jaxpar's decoders (`model.kind` gpt or llama): ZeRO-3 gathers one layer at a time inside
+  the scan; the pipeline form runs any schedule."""
+  from jaxpar.models import decoder as d
+  module = _decoders()[cfg.model.kind]
   mc = cfg.model
-  base = from_nnx(lambda rngs: g.GPT(mc, rngs=rngs, param_dtype=param_dtype),
+  parts = decoder_parts(mc)
+  base = from_nnx(lambda rngs: module.MODULE(mc, rngs=rngs, param_dtype=param_dtype),
                   loss_fn=lambda out, batch: (out, {}))
 
   def loss(params, batch, dtype=jnp.float32, dims=None, manual=frozenset()):
-    return g.loss(params, batch, mc, dtype, dims, remat, manual)
+    return d.loss(parts, params, batch, dtype, dims, remat, manual)
 
   def pipeline(params, micro, sched, dtype=jnp.float32, dims=None, manual=frozenset(), loss_scale=1.0,
                forward_only=False):
-    return g.pipeline_grads(params, micro, mc, sched, dtype, dims, remat, manual, loss_scale,
+    return d.pipeline_grads(parts, params, micro, sched, dtype, dims, remat, manual, loss_scale,
                             forward_only)
   # DESIGN's model FLOPs per token: 6 N_nonembedding + 12 L D T (causal attention counted in full)
-  flops_tok = 6 * g.n_params_nonembedding(mc) + 12 * mc.n_layers * mc.d_model * mc.seq_len
+  flops_tok = 6 * module.n_params_nonembedding(mc) + 12 * mc.n_layers * mc.d_model * mc.seq_len
   return ModelDef(init=base.init, loss=loss, logical=base.logical, abstract=base.abstract,
                   tokens_per_example=mc.seq_len, flops_per_example=flops_tok * mc.seq_len,
                   pipeline=pipeline)
+
+
+gpt = decoder  # the name jaxpar's GPT has always been built by
+
+
+def _decoders() -> dict:
+  from jaxpar.models import gpt as g, llama
+  return {"gpt": g, "llama": llama}
+
+
+def decoder_parts(mc):
+  """The embed / block / head functions of the decoder `mc.kind` (models/decoder.py)."""
+  return _decoders()[mc.kind].parts(mc)

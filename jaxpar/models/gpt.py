@@ -20,6 +20,7 @@ from flax import nnx
 
 from jaxpar import zero
 from jaxpar.config import ModelConfig
+from jaxpar.models import decoder
 from jaxpar.rules import constrain, is_split
 
 
@@ -56,18 +57,20 @@ class Layers(nnx.Module):
 
 
 class GPT(nnx.Module):
-  """Token + position embeddings, L pre-norm blocks, final norm, untied LM head."""
+  """Token + position embeddings, L pre-norm blocks, final norm, LM head (or wte, when tied)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
     self.cfg = cfg
     V, T, D = cfg.vocab_size, cfg.seq_len, cfg.d_model
     normal = nnx.initializers.normal(0.02)
     self.wte = nnx.Param(normal(rngs.params(), (V, D), param_dtype), sharding_names=("vocab", "embed"))
+    T = cfg.max_positions or T  # the position table may be longer than the training window
     self.wpe = nnx.Param(normal(rngs.params(), (T, D), param_dtype), sharding_names=(None, "embed"))
     self.layers = Layers(cfg, rngs, param_dtype)
     self.lnf_scale = nnx.Param(jnp.ones((D,), param_dtype), sharding_names=("embed",))
     self.lnf_bias = nnx.Param(jnp.zeros((D,), param_dtype), sharding_names=("embed",))
-    self.head = nnx.Param(normal(rngs.params(), (D, V), param_dtype), sharding_names=("embed", "vocab"))
+    if not cfg.tie_embeddings:
+      self.head = nnx.Param(normal(rngs.params(), (D, V), param_dtype), sharding_names=("embed", "vocab"))
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """tokens (B, T) int -> logits (B, T, V) float32."""
@@ -131,25 +134,12 @@ def block(p: dict, x: jax.Array, cfg: ModelConfig, manual=frozenset()) -> jax.Ar
   return x + constrain(h.reshape(B, T, D), ("batch", "seq", "embed"), manual=manual)
 
 
-def run_layers(layers: dict, x: jax.Array, cfg: ModelConfig, dims: Any = None, remat: bool = False,
-               manual=frozenset()) -> jax.Array:
-  """Scan `block` over a stack of layers. layers: leaves (L, ...); x (B, T, D).
-
-  `dims` are the ZeRO-3 dims of the stacked leaves: each layer's shards are all-gathered inside
-  the scan body, and gathered again in the backward (`zero.regather`; full `remat` recomputes them
-  anyway), so at most a layer or two is whole on a device at a time.
-  """
-  layer_dims = zero.shift(dims)
-
-  def body(x, p):
-    p = zero.gather(p, layer_dims)
-    return block(p, x, cfg, manual), None
-  if remat:
-    body = jax.checkpoint(body, prevent_cse=False)
-  elif dims is not None:
-    body = zero.regather(body)
-  x, _ = jax.lax.scan(body, x, layers)
-  return x
+def parts(cfg: ModelConfig) -> decoder.Parts:
+  """The GPT's functions for decoder.py's scan, loss and pipeline."""
+  head = head_logits
+  if cfg.tie_embeddings:  # the LM head is the token embedding, transposed (GPT-2)
+    head = lambda p, x: head_logits({**p, "head": p["wte"].T}, x)
+  return decoder.Parts(embed=embed, block=lambda p, x, manual: block(p, x, cfg, manual), head=head)
 
 
 def embed(p: dict, tokens: jax.Array, dtype) -> jax.Array:
@@ -169,27 +159,8 @@ def head_logits(p: dict, x: jax.Array) -> jax.Array:
 
 def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, dtype=jnp.float32, dims: Any = None,
             remat: bool = False, manual=frozenset()) -> jax.Array:
-  """tokens (B, T) int -> logits (B, T, V) float32."""
-  top = {k: v for k, v in params.items() if k != "layers"}
-  top = zero.gather(top, None if dims is None else {k: v for k, v in dims.items() if k != "layers"})
-  x = embed(top, tokens, dtype)
-  x = run_layers(params["layers"], x, cfg, None if dims is None else dims["layers"], remat, manual)
-  return head_logits(top, x)
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """Mean next-token loss. logits (B, T, V) float32, targets (B, T) int."""
-  lse = jax.nn.logsumexp(logits, axis=-1)
-  picked = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), -1)
-  return jnp.mean(lse - picked)
-
-
-def loss(params: dict, batch: dict, cfg: ModelConfig, dtype=jnp.float32, dims: Any = None,
-         remat: bool = False, manual=frozenset()) -> tuple[jax.Array, dict]:
-  """batch['tokens'] (B, T+1) -> (mean loss, {})."""
-  tokens = batch["tokens"]
-  logits = forward(params, tokens[:, :-1], cfg, dtype, dims, remat, manual)
-  return cross_entropy(logits, tokens[:, 1:]), {}
+  """tokens (B, T) int -> logits (B, T, V) float32 (decoder.forward)."""
+  return decoder.forward(parts(cfg), params, tokens, dtype, dims, remat, manual)
 
 
 def n_params_nonembedding(cfg: ModelConfig) -> int:
@@ -201,31 +172,4 @@ def n_params_nonembedding(cfg: ModelConfig) -> int:
   return L * per_layer + 2 * D
 
 
-def pipeline_grads(params: dict, micro: dict, cfg: ModelConfig, sched, dtype=jnp.float32,
-                   dims: Any = None, remat: bool = False, manual=frozenset(), loss_scale=1.0,
-                   forward_only=False):
-  """Loss and gradients through the pipeline schedule `sched` (inside a shard_map over `pipeline`).
-
-  params: this stage's layers (leaves [L/P, ...]) and the replicated embeddings / head;
-  micro['tokens']: [M, b, T+1]. ZeRO-3 shards are gathered inside each use, so their gradients
-  come back reduce-scattered. Gradients are of `loss_scale` times the loss; with `forward_only`
-  (evaluation) there are none (None).
-  """
-  from jaxpar import pipeline
-  top = {k: v for k, v in params.items() if k != "layers"}
-  top_dims = None if dims is None else {k: v for k, v in dims.items() if k != "layers"}
-  layer_dims = None if dims is None else dims["layers"]
-
-  def embed_fn(t, mb):
-    return embed(zero.gather(t, top_dims), mb["tokens"][:, :-1], dtype)
-
-  def stage_fn(layers, x):
-    return run_layers(layers, x, cfg, layer_dims, remat, manual)
-
-  def loss_fn(t, x, mb):
-    return cross_entropy(head_logits(zero.gather(t, top_dims), x), mb["tokens"][:, 1:])
-  loss, g_layers, g_top = pipeline.execute(sched, params["layers"], top, micro, embed_fn, stage_fn,
-                                           loss_fn, loss_scale, forward_only)
-  if forward_only:
-    return loss, {}, None
-  return loss, {}, {**g_top, "layers": g_layers}
+MODULE = GPT

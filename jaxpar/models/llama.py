@@ -1,0 +1,118 @@
+"""Llama-style decoder: RMSNorm, rotary position embeddings, SwiGLU MLP, grouped-query attention,
+untied or tied LM head. The same parameter conventions as Hugging Face's LlamaForCausalLM (rotary
+on the two halves of each head, `rotate_half`), so its checkpoints load without permutation.
+
+Only the model's own pieces live here (parameters, `block`, `embed`, `head`); the layer scan,
+ZeRO-3 gathers, loss and pipeline form are shared with the GPT in decoder.py.
+Letters: B batch, T seq, D embed, H heads, G kv heads, K head dim, F mlp, V vocab, L layers.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.config import ModelConfig
+from jaxpar.models import decoder
+from jaxpar.models.gpt import attention
+from jaxpar.rules import constrain
+
+
+class Layers(nnx.Module):
+  """The L decoder blocks' weights, stacked on a leading `layers` axis."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype):
+    L, D, F = cfg.n_layers, cfg.d_model, cfg.d_ff
+    H, G = cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
+    K = D // H
+    normal, ones = nnx.initializers.normal(0.02), nnx.initializers.ones
+
+    def param(shape, axes, init):
+      return nnx.Param(init(rngs.params(), shape, dtype), sharding_names=axes)
+    self.attn_norm = param((L, D), ("layers", "embed"), ones)
+    self.wq = param((L, D, H * K), ("layers", "embed", "heads"), normal)
+    self.wk = param((L, D, G * K), ("layers", "embed", "heads"), normal)
+    self.wv = param((L, D, G * K), ("layers", "embed", "heads"), normal)
+    self.wo = param((L, H * K, D), ("layers", "heads", "embed"), normal)
+    self.mlp_norm = param((L, D), ("layers", "embed"), ones)
+    self.w_gate = param((L, D, F), ("layers", "embed", "mlp"), normal)
+    self.w_up = param((L, D, F), ("layers", "embed", "mlp"), normal)
+    self.w_down = param((L, F, D), ("layers", "mlp", "embed"), normal)
+
+
+class Llama(nnx.Module):
+  """Token embedding, L pre-norm blocks, final RMSNorm, LM head (or the embedding, when tied)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    self.cfg = cfg
+    V, D = cfg.vocab_size, cfg.d_model
+    normal = nnx.initializers.normal(0.02)
+    self.wte = nnx.Param(normal(rngs.params(), (V, D), param_dtype), sharding_names=("vocab", "embed"))
+    self.layers = Layers(cfg, rngs, param_dtype)
+    self.norm = nnx.Param(jnp.ones((D,), param_dtype), sharding_names=("embed",))
+    if not cfg.tie_embeddings:
+      self.head = nnx.Param(normal(rngs.params(), (D, V), param_dtype), sharding_names=("embed", "vocab"))
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+  """x / rms(x) * scale over the last axis, in float32, cast back to x's dtype."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + eps)
+  return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary(x: jax.Array, theta: float) -> jax.Array:
+  """Rotary position embedding of x (B, T, N, K): the pair (i, i + K/2) turns by pos / theta^(2i/K)."""
+  T, K = x.shape[1], x.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, K, 2, dtype=jnp.float32) / K))  # (K/2,)
+  angle = jnp.arange(T, dtype=jnp.float32)[:, None] * inv_freq[None]  # (T, K/2)
+  cos, sin = jnp.cos(angle)[None, :, None], jnp.sin(angle)[None, :, None]  # (1, T, 1, K/2)
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+def block(p: dict, x: jax.Array, cfg: ModelConfig, manual=frozenset()) -> jax.Array:
+  """One pre-norm Llama block. p: one layer's weights; x (B, T, D) -> (B, T, D)."""
+  B, T, D = x.shape
+  H, G = cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
+  K = D // H
+  w = lambda name: p[name].astype(x.dtype)
+
+  h = rms_norm(x, p["attn_norm"], cfg.norm_eps).reshape(B * T, D)  # (B*T, D)
+  q = rotary((h @ w("wq")).reshape(B, T, H, K), cfg.rope_theta)  # column-parallel over heads
+  k = rotary((h @ w("wk")).reshape(B, T, G, K), cfg.rope_theta)
+  v = (h @ w("wv")).reshape(B, T, G, K)
+  q = constrain(q, ("batch", "seq", "heads", "kv"), manual=manual)
+  a = attention(q, k, v).reshape(B * T, H * K) @ w("wo")  # row-parallel: all-reduce over model
+  x = x + constrain(a.reshape(B, T, D), ("batch", "seq", "embed"), manual=manual)
+
+  h = rms_norm(x, p["mlp_norm"], cfg.norm_eps).reshape(B * T, D)
+  h = jax.nn.silu(h @ w("w_gate")) * (h @ w("w_up"))  # (B*T, F), column-parallel over mlp
+  h = h @ w("w_down")  # row-parallel
+  return x + constrain(h.reshape(B, T, D), ("batch", "seq", "embed"), manual=manual)
+
+
+def embed(p: dict, tokens: jax.Array, dtype) -> jax.Array:
+  """tokens (B, T) -> x (B, T, D) in the compute dtype (positions enter through rotary)."""
+  return jnp.take(p["wte"], tokens, axis=0).astype(dtype)
+
+
+def parts(cfg: ModelConfig) -> decoder.Parts:
+  """The Llama's functions for decoder.py's scan, loss and pipeline."""
+  def head(p: dict, x: jax.Array) -> jax.Array:  # x (B, T, D) -> logits (B, T, V) float32
+    B, T, D = x.shape
+    h = rms_norm(x, p["norm"], cfg.norm_eps).reshape(B * T, D)
+    w = p["wte"].T if cfg.tie_embeddings else p["head"]  # (D, V), vocab-parallel either way
+    return (h @ w.astype(x.dtype)).astype(jnp.float32).reshape(B, T, -1)
+  return decoder.Parts(embed=embed, block=lambda p, x, manual: block(p, x, cfg, manual), head=head)
+
+
+def n_params_nonembedding(cfg: ModelConfig) -> int:
+  """Parameters outside the embedding and LM head (the N of 6N)."""
+  D, F, L = cfg.d_model, cfg.d_ff, cfg.n_layers
+  G = cfg.n_kv_heads or cfg.n_heads
+  K = D // cfg.n_heads
+  return L * (2 * D * D + 2 * D * G * K + 3 * D * F + 2 * D) + D
+
+
+MODULE = Llama
