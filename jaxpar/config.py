@@ -21,6 +21,9 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ModelConfig:
   kind: str = "gpt"  # gpt (GPT-2 style) | llama (RMSNorm, rotary, SwiGLU) | cnn
+  # A Hugging Face model folder (GPT2LMHeadModel or LlamaForCausalLM): its config.json sets the
+  # model keys below (what --set or the file give still wins) and its weights start a new run.
+  init_from: str = ""
   n_layers: int = 4
   d_model: int = 128
   n_heads: int = 4
@@ -221,8 +224,22 @@ def get(cfg: Config, key: str) -> Any:
 
 
 def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-  """Defaults, then the YAML file at `path`, then `key=value` overrides (later wins)."""
-  cfg = Config()
+  """Defaults, then the YAML file at `path`, then `key=value` overrides (later wins).
+
+  With `model.init_from`, the model folder's config.json comes right after the defaults.
+  """
+  cfg = _load(Config(), path, overrides)
+  if cfg.model.init_from:
+    from jaxpar.interop import hf
+    base = _apply(Config(), "model.init_from", cfg.model.init_from)
+    for name, value in hf.model_overrides(cfg.model.init_from).items():
+      base = _apply(base, f"model.{name}", value)
+    cfg = _load(base, path, overrides)
+  return validate(cfg)
+
+
+def _load(cfg: Config, path: str | None, overrides) -> Config:
+  """`cfg` with the YAML file at `path` and then the `key=value` overrides applied."""
   if path:
     if not os.path.isfile(path):
       raise ConfigError(f"config file {path} does not exist")
@@ -240,7 +257,7 @@ def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -
       raise ConfigError(f"--set takes key=value, got {item!r}")
     key, value = item.split("=", 1)
     cfg = _apply(cfg, key.strip(), value)
-  return validate(cfg)
+  return cfg
 
 
 def override(cfg: Config, **sections: dict[str, Any]) -> Config:

@@ -195,6 +195,11 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
     batches.restore(extra["data"])
     skipped[0] = int(extra.get("skipped_steps", 0))
     log(f"resuming from the checkpoint at step {start} in {ckpt.directory}")
+  elif cfg.model.init_from:  # a new run from a Hugging Face model folder's weights
+    from jaxpar.interop import hf
+    state, start = trainer.init_with(hf.load_params(
+        cfg.model.init_from, cfg.model, trainer.model.abstract, trainer.state_shardings["params"])), 0
+    log(f"initialised from the model folder {cfg.model.init_from}")
   else:
     state, start = trainer.init(cfg.train.seed), 0
 

@@ -75,6 +75,15 @@ class Trainer:
     with jax.set_mesh(self.mesh):
       return jax.jit(init_fn, out_shardings=self.state_shardings)(jax.random.key(seed))
 
+  def init_with(self, params: Any) -> dict:
+    """A new train state (step 0, fresh optimizer) around given parameters in the model's own
+    layer order, e.g. imported ones; `params` already carry the parameter shardings."""
+    def init_fn(params):
+      params = self._reorder(params, self.layer_order)
+      return {"step": jnp.zeros((), jnp.int32), "params": params, "opt": self.tx.init(params)}
+    with jax.set_mesh(self.mesh):
+      return jax.jit(init_fn, out_shardings=self.state_shardings, donate_argnums=0)(params)
+
   # -- layer order -------------------------------------------------------------------------------
   # The circular schedule runs chunk c (layers c·Lc ...) on stage c mod P, while the `pipeline`
   # sharding gives each stage one contiguous block of the stack. So for circular the state keeps

@@ -269,9 +269,12 @@ def make_loader(cfg, workdir: str, process_index: int = 0, process_count: int = 
   if cfg.data.source == "tfds":
     from jaxpar.data import tfds_source  # imports grain and TFDS only when needed
     return tfds_source.make_batches(cfg, split, process_index, process_count, train)
-  if cfg.model.kind != "gpt":
+  if cfg.model.kind == "cnn":  # the decoders (gpt, llama) read text
     raise ConfigError(f"model.kind={cfg.model.kind} needs images: set data.source=tfds and "
                       f"data.name to an image dataset such as cifar10")
+  if cfg.model.vocab_size < VOCAB_SIZE:  # an id past the embedding would make the loss NaN
+    raise ConfigError(f"data.source={cfg.data.source} gives byte tokens, which need "
+                      f"model.vocab_size >= {VOCAB_SIZE} (it is {cfg.model.vocab_size})")
   try:
     it = make_batches(cfg.data, cfg.model.seq_len, cfg.train.batch_size, cfg.train.seed, workdir,
                       process_index, process_count, split=split)

@@ -144,7 +144,10 @@ def text_windows(source, key: str, seq_len: int, tokenizer=None) -> TokenWindows
 
 
 def load_tokenizer(path: str):
-  """A `tokenizers` JSON file (tokenizer.json) -> Tokenizer; a bad path is one sentence."""
+  """A `tokenizers` JSON file (tokenizer.json, or a model folder holding one) -> Tokenizer; a
+  bad path is one sentence."""
+  if os.path.isdir(path):  # a Hugging Face model folder
+    path = os.path.join(path, "tokenizer.json")
   if not os.path.isfile(path):
     raise ConfigError(f"data.tokenizer={path} does not exist (give a tokenizers JSON file, "
                       f"e.g. a tokenizer.json, or leave it empty for byte-level tokens)")
@@ -284,7 +287,7 @@ class Batches:
 
 
 def _text_batches(ds: Dataset, source, cfg, global_batch: int, shard, workers: int, what: str):
-  if cfg.model.kind != "gpt":
+  if cfg.model.kind == "cnn":  # the decoders (gpt, llama) read text
     raise ConfigError(f"model.kind={cfg.model.kind} needs images, but {what} is text")
   tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
   vocab = tokenizer.get_vocab_size() if tokenizer else VOCAB_SIZE

@@ -1,0 +1,195 @@
+"""Hugging Face interop: GPT-2 and Llama folders made by `transformers` (random weights, from a
+config: nothing is downloaded) load into jaxpar with the same logits (fp32, 1e-5 relative: the
+norm of the difference over the norm of the reference) on one device, tensor parallel, pipeline
+and ZeRO-3 layouts, and export back to a folder `from_pretrained` loads with no missing or
+unexpected keys and the same logits."""
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import torch  # the test extra installs both
+import transformers
+
+from jaxpar import checkpoint, config, loop
+from jaxpar import mesh as jmesh
+from jaxpar import model as jmodel
+from jaxpar.interop import hf
+from jaxpar.models import decoder
+from jaxpar.step import Trainer
+
+RTOL = 1e-5
+T, B, V = 16, 8, 64
+
+
+def _randomise(model, seed):
+  """Every weight random (biases and norm scales too), so each mapping is exercised."""
+  g = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      base = 1.0 if ("ln" in name or "norm" in name) and name.endswith("weight") else 0.0
+      p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
+  return model.eval()
+
+
+def gpt2_folder(path):
+  cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_inner=64, n_positions=T,
+                                vocab_size=V, bos_token_id=0, eos_token_id=0)
+  _randomise(transformers.GPT2LMHeadModel(cfg), 0).save_pretrained(path)
+  return str(path)
+
+
+def llama_folder(path, heads, kv, d, tied=False):
+  cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=d, num_attention_heads=heads,
+                                 num_key_value_heads=kv, intermediate_size=2 * d, vocab_size=V,
+                                 max_position_embeddings=T, rms_norm_eps=1e-5,
+                                 tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
+  _randomise(transformers.LlamaForCausalLM(cfg), 1).save_pretrained(path)
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+  root = tmp_path_factory.mktemp("hf")
+  return {"gpt2": gpt2_folder(root / "gpt2"),
+          "llama-gqa-8-2": llama_folder(root / "llama82", 8, 2, 64),
+          "llama-12-heads-4-kv-tied": llama_folder(root / "llama124", 12, 4, 96, tied=True)}
+
+
+def tokens(n=B, seed=0):
+  return np.random.default_rng(seed).integers(0, V, size=(n, T + 1)).astype(np.int32)
+
+
+def hf_logits(folder, toks):
+  m = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+  with torch.no_grad():
+    return m(torch.from_numpy(toks.astype(np.int64))).logits.numpy()
+
+
+def cross_entropy(logits, targets):
+  z = logits - logits.max(-1, keepdims=True)
+  lse = np.log(np.exp(z).sum(-1))
+  return float(np.mean(lse - np.take_along_axis(z, targets[..., None], -1)[..., 0]))
+
+
+def jaxpar_run(folder, shape, extra=()):
+  """(logits of tokens[:, :-1] through the GSPMD forward, loss through the step's sharded path)."""
+  cfg = config.load(None, [f"model.init_from={folder}", f"model.seq_len={T}",
+                           f"train.batch_size={B}", "precision.compute_dtype=float32", *extra])
+  n = int(np.prod(shape))
+  jmesh.check(shape, cfg, n)
+  t = Trainer(cfg, jmesh.make(shape, jax.devices()[:n]), jmodel.decoder(cfg))
+  params = hf.load_params(folder, cfg.model, t.model.abstract, t.state_shardings["params"])
+  toks = jnp.asarray(tokens())
+  parts = jmodel.decoder_parts(cfg.model)
+  with jax.set_mesh(t.mesh):
+    logits = jax.jit(lambda p, x: decoder.forward(parts, p, x))(params, toks[:, :-1])
+    state = t.init_with(params)
+    loss = t.eval_jitted({"tokens": jax.ShapeDtypeStruct(toks.shape, toks.dtype)})(
+        state["params"], {"tokens": toks})["loss"]
+  return np.asarray(logits), float(loss)
+
+
+def rel(a, b):
+  return np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
+
+
+LAYOUTS = {"1x1x1": ((1, 1, 1), []), "1x4x1-tp": ((1, 4, 1), []),
+           "1x1x2-pipeline": ((1, 1, 2), ["parallel.microbatches=2"]),
+           "2x2x2-zero3": ((2, 2, 2), ["parallel.zero_stage=3", "parallel.microbatches=2"])}
+CASES = [(m, lay) for m in ("gpt2", "llama-12-heads-4-kv-tied") for lay in LAYOUTS] + \
+        [("llama-gqa-8-2", "1x1x1"), ("llama-gqa-8-2", "2x2x2-zero3")]  # 2 kv heads: model <= 2
+
+
+@pytest.mark.parametrize("name,layout", CASES, ids=[f"{m}-{lay}" for m, lay in CASES])
+def test_logits_match_transformers(folders, name, layout):
+  shape, extra = LAYOUTS[layout]
+  toks = tokens()
+  want = hf_logits(folders[name], toks[:, :-1])
+  logits, loss = jaxpar_run(folders[name], shape, extra)
+  assert rel(logits, want) < RTOL
+  assert loss == pytest.approx(cross_entropy(want, toks[:, 1:]), rel=RTOL)
+
+
+def _checkpoint_of(folder, workdir):
+  """A jaxpar checkpoint at step 0 holding the folder's weights (what a run starts from)."""
+  cfg = config.load(None, [f"model.init_from={folder}", f"model.seq_len={T}", f"train.batch_size={B}"])
+  t = Trainer(cfg, jmesh.make((1, 1, 1), jax.devices()[:1]), jmodel.decoder(cfg))
+  state = t.init_with(hf.load_params(folder, cfg.model, t.model.abstract, t.state_shardings["params"]))
+  with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), keep=1, every=0) as ckpt:
+    ckpt.maybe_save(0, state, {"data": {}, "config": config.to_dict(cfg)}, force=True)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa-8-2", "llama-12-heads-4-kv-tied"])
+def test_round_trip_loads_in_transformers_with_the_same_logits(folders, tmp_path, name):
+  _checkpoint_of(folders[name], tmp_path / "wd")
+  out = tmp_path / "exported"
+  hf.export(str(tmp_path / "wd"), str(out))
+  m, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True,
+                                                             dtype=torch.float32)
+  assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+  toks = tokens()[:, :-1]
+  with torch.no_grad():
+    got = m.eval()(torch.from_numpy(toks.astype(np.int64))).logits.numpy()
+  want = hf_logits(folders[name], toks)
+  if name == "gpt2":  # the key bias comes back as zeros: equal up to softmax's rounding
+    assert rel(got, want) < 1e-6
+  else:
+    np.testing.assert_array_equal(got, want)
+
+
+def test_fine_tune_from_a_folder_trains(folders, tmp_path):
+  """`model.init_from` starts a run from the folder's weights, on a ZeRO-3 pipeline layout."""
+  folder = str(tmp_path / "llama256")  # byte tokens need a vocabulary of 256
+  cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=64, vocab_size=256,
+                                 max_position_embeddings=T, bos_token_id=0, eos_token_id=0)
+  _randomise(transformers.LlamaForCausalLM(cfg), 2).save_pretrained(folder)
+  cfg = config.load(None, [f"model.init_from={folder}", f"model.seq_len={T}", f"train.batch_size={B}",
+                           "data.source=synthetic", "train.steps=2", "precision.compute_dtype=float32"])
+  logs = []
+  result = loop.run(cfg, (2, 2, 2), str(tmp_path / "wd"), progress=False, log=logs.append)
+  assert any("initialised from the model folder" in line for line in logs)
+  assert result.steps == 2 and np.isfinite(result.losses[2])
+  # the folder's random weights (std 0.1) are far from a fresh init's near-uniform log(256)
+  assert abs(result.losses[1] - np.log(256)) > 0.05
+
+
+@pytest.mark.parametrize("breakage,words", [
+    ("arch", ["config.json", "architecture", "BertModel"]),
+    ("missing", ["has no tensor", "model.layers.1.mlp.up_proj.weight"]),
+    ("shape", ["model.norm.weight", "shape"]),
+])
+def test_malformed_folder_is_one_sentence_and_exit_2(folders, tmp_path, breakage, words):
+  import subprocess
+  import sys
+  from safetensors.numpy import load_file, save_file
+  bad = tmp_path / "bad"
+  shutil.copytree(folders["llama-gqa-8-2"], bad)
+  if breakage == "arch":
+    c = json.loads((bad / "config.json").read_text())
+    c["architectures"] = ["BertModel"]
+    (bad / "config.json").write_text(json.dumps(c))
+  else:
+    t = load_file(str(bad / "model.safetensors"))
+    if breakage == "missing":
+      del t["model.layers.1.mlp.up_proj.weight"]
+    else:
+      t["model.norm.weight"] = np.ones((3,), np.float32)
+    save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
+  workdir = tmp_path / "wd"
+  r = subprocess.run([sys.executable, "scripts/train.py", "--mesh", "1x1x1", "--workdir", str(workdir),
+                      "--steps", "1", "--no-progress", "--set", f"model.init_from={bad}",
+                      f"model.seq_len={T}", "data.source=synthetic"],
+                     cwd=os.path.dirname(os.path.dirname(__file__)), capture_output=True, text=True,
+                     env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+                     timeout=300)
+  errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+  assert r.returncode == 2 and len(errors) == 1, r.stderr
+  assert all(w in errors[0] for w in words), errors[0]
+  assert "Traceback" not in r.stderr
+  assert not (workdir / "checkpoints").exists()
