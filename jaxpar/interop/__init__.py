@@ -1,0 +1,1 @@
+"""Foreign formats in and out: Hugging Face model folders (hf.py), DeepSpeed configs (deepspeed.py)."""
