@@ -1,11 +1,14 @@
-"""Sampling bytes from a trained decoder, with its parameters restored sharded onto any mesh.
+"""Sampling text from a trained decoder, with its parameters restored sharded onto any mesh.
 
-Tokens are bytes, as in training. A prompt is the start of a document, so it is preceded by the
-separator token that ends every document in the training stream; a sampled separator ends the text.
+Tokens are those of training: bytes, or the ids of the run's `tokenizers` file. A prompt is the
+start of a document, so it is preceded by the end-of-text token that ends every document in the
+training stream; a sampled end-of-text ends the text.
 Each new token recomputes the forward over a window of the last `seq_len` tokens (no KV cache);
 all new tokens come from one jitted `lax.fori_loop`, compiled once per prompt length and count.
 """
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +37,43 @@ def _overridden(cfg: jconfig.Config, overrides) -> jconfig.Config:
   return jconfig.override(cfg, **sections) if sections else cfg
 
 
+class Codec:
+  """Text <-> token ids as the run saw them: bytes, or the `tokenizers` file of `data.tokenizer`
+  (else of the `model.init_from` folder, when it holds a tokenizer.json)."""
+
+  def __init__(self, cfg: jconfig.Config):
+    path = cfg.data.tokenizer
+    folder = cfg.model.init_from
+    if not path and folder and os.path.isfile(os.path.join(folder, "tokenizer.json")):
+      path = folder
+    self.tokenizer = None
+    self.eos, self.vocab = SEPARATOR, VOCAB_SIZE
+    if path:
+      from jaxpar.data.tfds_source import load_tokenizer
+      from jaxpar.data.windows import end_of_text_id
+      self.tokenizer = load_tokenizer(path)
+      self.eos, self.vocab = end_of_text_id(self.tokenizer), self.tokenizer.get_vocab_size()
+
+  def encode(self, text: bytes | str) -> np.ndarray:
+    """A prompt as the start of a document: the end-of-text id, then its tokens. (n,) int32."""
+    if self.tokenizer is None:
+      ids = tokenize(text)
+    else:
+      text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+      ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+    return np.concatenate([[self.eos], ids]).astype(np.int32)
+
+  def decode(self, tokens: np.ndarray) -> str:
+    """Tokens up to the first end-of-text -> text (undecodable bytes become U+FFFD)."""
+    tokens = np.asarray(tokens)
+    ends = np.flatnonzero(tokens == self.eos)
+    if ends.size:
+      tokens = tokens[:ends[0]]
+    if self.tokenizer is None:
+      return tokens.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+    return self.tokenizer.decode([int(t) for t in tokens])
+
+
 def pick(logits: jax.Array, key: jax.Array, temperature: float, top_k: int) -> jax.Array:
   """Next tokens from last-position logits (B, V) float32 -> (B,) int32; temperature 0 = greedy."""
   if temperature == 0:
@@ -59,6 +99,7 @@ class Sampler:
       raise ConfigError(f"model.kind={self.cfg.model.kind!r} does not generate text; only "
                         f"{' and '.join(jmesh.DECODERS)} do")
     self.trainer = loop.prepare(self.cfg, mesh_shape)
+    self.codec = Codec(self.cfg)
     # The parameters alone, in the checkpoint's (model) order: the optimizer state is never read.
     self.params = checkpoint.restore_params(directory, self.step, self.trainer.model.abstract,
                                             self.trainer.state_shardings["params"])
@@ -103,11 +144,11 @@ class Sampler:
       raise ConfigError(f"--max-new-tokens={max_new_tokens} must not be negative")
     if temperature < 0:
       raise ConfigError(f"--temperature={temperature} must not be negative (0 = greedy)")
-    if not 0 <= top_k <= VOCAB_SIZE:
-      raise ConfigError(f"--top-k={top_k} must be between 0 (off) and {VOCAB_SIZE}")
+    if not 0 <= top_k <= self.codec.vocab:
+      raise ConfigError(f"--top-k={top_k} must be between 0 (off) and {self.codec.vocab}")
     if num_samples < 1:
       raise ConfigError(f"--num-samples={num_samples} must be positive")
-    tokens = np.concatenate([[SEPARATOR], tokenize(prompt)]).astype(np.int32)
+    tokens = self.codec.encode(prompt)
     # Rows are split over `data`, so the batch is rounded up to a multiple of it.
     d = self.mesh.shape[zero.DATA]
     batch = -(-num_samples // d) * d
@@ -120,13 +161,4 @@ class Sampler:
                top_k: int = 0, seed: int = 0, num_samples: int = 1) -> list[str]:
     """Continuations of `prompt` as text, each cut at the first separator (end of document)."""
     out = self.sample(prompt, max_new_tokens, temperature, top_k, seed, num_samples)
-    return [decode(row) for row in out]
-
-
-def decode(tokens: np.ndarray) -> str:
-  """Byte tokens up to the first separator -> text (undecodable bytes become U+FFFD)."""
-  tokens = np.asarray(tokens)
-  ends = np.flatnonzero(tokens == SEPARATOR)
-  if ends.size:
-    tokens = tokens[:ends[0]]
-  return tokens.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+    return [self.codec.decode(row) for row in out]

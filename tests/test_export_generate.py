@@ -60,7 +60,7 @@ def test_generate_script_writes_the_prompt_and_its_continuation(run, greedy_1x1x
   tokens = sampler.sample(PROMPT, max_new_tokens=40, temperature=0)
   assert tokens.shape == (1, 40) and tokens.dtype == np.int32
   assert ((tokens >= 0) & (tokens < 256)).all()
-  assert greedy_1x1x1 == PROMPT + generate.decode(tokens[0]) + "\n"
+  assert greedy_1x1x1 == PROMPT + sampler.codec.decode(tokens[0]) + "\n"
 
 
 def test_greedy_is_deterministic_on_any_mesh(run, greedy_1x1x1):

@@ -5,7 +5,10 @@ and ZeRO-3 layouts, and export back to a folder `from_pretrained` loads with no 
 unexpected keys and the same logits."""
 import json
 import os
+import pathlib
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +27,7 @@ from jaxpar.step import Trainer
 
 RTOL = 1e-5
 T, B, V = 16, 8, 64
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _randomise(model, seed):
@@ -58,6 +62,19 @@ def folders(tmp_path_factory):
   return {"gpt2": gpt2_folder(root / "gpt2"),
           "llama-gqa-8-2": llama_folder(root / "llama82", 8, 2, 64),
           "llama-12-heads-4-kv-tied": llama_folder(root / "llama124", 12, 4, 96, tied=True)}
+
+
+WORDS = ["the", "cat", "sat", "on", "a", "mat"]
+
+
+def write_tokenizer(folder):
+  """A word-level tokenizers file: <unk> 0, <s> 1, </s> 2 (end of text), then WORDS."""
+  from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+  vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>"] + WORDS)}
+  tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+  tok.save(os.path.join(folder, "tokenizer.json"))
 
 
 def tokens(n=B, seed=0):
@@ -149,6 +166,7 @@ def test_fine_tune_from_a_folder_trains(folders, tmp_path):
                                  num_key_value_heads=2, intermediate_size=64, vocab_size=256,
                                  max_position_embeddings=T, bos_token_id=0, eos_token_id=0)
   _randomise(transformers.LlamaForCausalLM(cfg), 2).save_pretrained(folder)
+  write_tokenizer(folder)
   cfg = config.load(None, [f"model.init_from={folder}", f"model.seq_len={T}", f"train.batch_size={B}",
                            "data.source=synthetic", "train.steps=2", "precision.compute_dtype=float32"])
   logs = []
@@ -158,6 +176,19 @@ def test_fine_tune_from_a_folder_trains(folders, tmp_path):
   # the folder's random weights (std 0.1) are far from a fresh init's near-uniform log(256)
   assert abs(result.losses[1] - np.log(256)) > 0.05
 
+  # generate.py speaks the folder's tokenizer; export.py --hf hands the run back to transformers
+  from jaxpar import generate
+  sampler = generate.Sampler(str(tmp_path / "wd"), (2, 2, 2))
+  assert sampler.codec.tokenizer is not None and sampler.codec.eos == 2
+  text = sampler.generate("the cat", max_new_tokens=6, temperature=0)[0]
+  assert set(text.split()) <= set(WORDS)
+  out = tmp_path / "back"
+  r = subprocess.run([sys.executable, "scripts/export.py", "--workdir", str(tmp_path / "wd"),
+                      "--hf", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr
+  m, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
+  assert not info["missing_keys"] and not info["unexpected_keys"]
+
 
 @pytest.mark.parametrize("breakage,words", [
     ("arch", ["config.json", "architecture", "BertModel"]),
@@ -165,8 +196,6 @@ def test_fine_tune_from_a_folder_trains(folders, tmp_path):
     ("shape", ["model.norm.weight", "shape"]),
 ])
 def test_malformed_folder_is_one_sentence_and_exit_2(folders, tmp_path, breakage, words):
-  import subprocess
-  import sys
   from safetensors.numpy import load_file, save_file
   bad = tmp_path / "bad"
   shutil.copytree(folders["llama-gqa-8-2"], bad)
@@ -185,7 +214,7 @@ def test_malformed_folder_is_one_sentence_and_exit_2(folders, tmp_path, breakage
   r = subprocess.run([sys.executable, "scripts/train.py", "--mesh", "1x1x1", "--workdir", str(workdir),
                       "--steps", "1", "--no-progress", "--set", f"model.init_from={bad}",
                       f"model.seq_len={T}", "data.source=synthetic"],
-                     cwd=os.path.dirname(os.path.dirname(__file__)), capture_output=True, text=True,
+                     cwd=ROOT, capture_output=True, text=True,
                      env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
                      timeout=300)
   errors = [l for l in r.stderr.splitlines() if l.startswith("error:")]
