@@ -426,6 +426,15 @@ def collective_bytes_in_loops(hlo_text: str) -> dict[str, int]:
   return {k: total[k] - outside[k] for k in KINDS}
 
 
+def instruction_count(hlo_text: str) -> int:
+  """Instructions in an HLO module's text, every computation's body included (loops counted once).
+
+  A program whose count does not change with the model's depth or the pipeline's microbatches
+  keeps its layers and ticks in loops: nothing was unrolled.
+  """
+  return sum(len(c.instrs) for c in _parse_module(hlo_text)[0].values())
+
+
 def flops(compiled: Any) -> float | None:
   """FLOPs of one execution on one device per XLA's cost analysis; None when unavailable.
 
