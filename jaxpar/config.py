@@ -6,6 +6,7 @@ or a value out of range raises `ConfigError` with one sentence naming the key an
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -85,7 +86,14 @@ class ParallelConfig:
 class PrecisionConfig:
   param_dtype: str = "float32"
   compute_dtype: str = "auto"  # auto = bfloat16 on GPU, float32 elsewhere
-  loss_scale: float = 1.0  # static loss scale, for float16 compute
+  # float16 compute: a static scale (a number) or "dynamic" (a no-op with other compute dtypes):
+  # an overflowing step is skipped and multiplies the scale by `backoff` (not below `min_scale`);
+  # `growth_interval` finite steps in a row double it. The scale is part of the train state.
+  loss_scale: str = "1.0"
+  initial_scale: float = 65536.0  # 2**16, DeepSpeed's and torch.amp's start
+  growth_interval: int = 2000
+  backoff: float = 0.5
+  min_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -115,10 +123,11 @@ _CHOICES = {
 _POSITIVE = ("model.n_layers", "model.d_model", "model.n_heads", "model.d_ff", "model.vocab_size",
              "model.seq_len", "model.num_classes", "train.steps", "train.batch_size",
              "train.grad_accum", "train.log_every",
-             "parallel.virtual_stages", "checkpoint.keep")
+             "parallel.virtual_stages", "checkpoint.keep", "precision.initial_scale",
+             "precision.growth_interval")
 _NON_NEGATIVE = ("model.n_kv_heads", "model.max_positions", "parallel.microbatches", "train.warmup_steps", "train.weight_decay", "train.clip_norm",
                  "checkpoint.every", "data.max_bytes", "train.lr", "data.workers",
-                 "train.eval_every", "train.eval_steps")
+                 "train.eval_every", "train.eval_steps", "precision.min_scale")
 
 
 def _field_types(cls) -> dict[str, Any]:
@@ -192,6 +201,7 @@ def validate(cfg: Config) -> Config:
       raise ConfigError(f"config key {key}={get(cfg, key)} must not be negative")
   if cfg.parallel.zero_stage not in (0, 1, 2, 3):
     raise ConfigError(f"config key parallel.zero_stage={cfg.parallel.zero_stage} must be 0, 1, 2 or 3")
+  _check_loss_scale(cfg.precision)
   m = cfg.model
   if m.kind in ("gpt", "llama"):
     if m.d_model % m.n_heads:
@@ -211,6 +221,19 @@ def validate(cfg: Config) -> Config:
   if cfg.data.source == "tfds" and not cfg.data.name:
     raise ConfigError("data.source=tfds needs data.name (a TFDS dataset name, e.g. lm1b)")
   return cfg
+
+
+def _check_loss_scale(pc: PrecisionConfig) -> None:
+  if pc.loss_scale != "dynamic":
+    try:
+      value = float(pc.loss_scale)
+    except ValueError:
+      value = math.nan
+    if not (math.isfinite(value) and value > 0):
+      raise ConfigError(f"config key precision.loss_scale={pc.loss_scale!r} must be a positive "
+                        f"number or dynamic")
+  if not 0 < pc.backoff < 1:
+    raise ConfigError(f"config key precision.backoff={pc.backoff} must be between 0 and 1")
 
 
 def microbatches(cfg: Config, stages: int) -> int:

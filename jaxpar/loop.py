@@ -188,9 +188,9 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
   batch_abstract = _batch_abstract(batches.element_spec, pc)
   batch_sharding = trainer.batch_sharding(batch_abstract)
 
-  skipped = [0]  # steps whose update was dropped for a non-finite loss (train.skip_nonfinite)
+  skipped = [0]  # steps whose update was dropped (train.skip_nonfinite, dynamic loss scaling)
   if start is not None:
-    state, extra = ckpt.restore(start, trainer.abstract_state, trainer.state_shardings)
+    state, extra = trainer.restore(ckpt, start)  # the loss scale's entry may differ
     state = trainer.from_logical(state)
     batches.restore(extra["data"])
     skipped[0] = int(extra.get("skipped_steps", 0))
@@ -244,7 +244,11 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
       # The gradient norm too: a finite loss with an overflowed gradient still makes the updated
       # state NaN, and this step may be the one about to be saved.
       grad_norm = float(m["grad_norm"])
-      if not (math.isfinite(losses[s]) and math.isfinite(grad_norm)) and not cfg.train.skip_nonfinite:
+      if trainer.dynamic_scale and m["skipped"] and float(m["loss_scale"]) <= cfg.precision.min_scale:
+        raise FloatingPointError(f"gradients overflow at step {s} with the loss scale at its minimum "
+                                 f"{float(m['loss_scale'])}; stopping without saving")
+      if (not (math.isfinite(losses[s]) and math.isfinite(grad_norm)) and not cfg.train.skip_nonfinite
+          and not trainer.dynamic_scale):  # dynamic scaling skips an overflow and backs off
         raise FloatingPointError(f"loss is {losses[s]} and gradient norm {grad_norm} at step {s}; "
                                  f"stopping without saving (the last good checkpoint is kept)")
     elapsed = time.perf_counter() - interval_t
@@ -319,7 +323,8 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
              "compile_s": compile_s, "devices": n_dev,
              "first_loss": losses[min(losses)] if losses else None,
              "last_loss": losses[max(losses)] if losses else None,
-             "interrupted": bool(stopped), "skipped_steps": skipped[0]}
+             "interrupted": bool(stopped), "skipped_steps": skipped[0],
+             **({"loss_scale": float(state["loss_scale"]["scale"])} if trainer.dynamic_scale else {})}
   text = logger.final(summary)
   if is_main:
     log(text)

@@ -62,6 +62,12 @@ class Trainer:
         "params": model.abstract,
         "opt": opt_abstract,
     }
+    # A dynamic loss scale is state: checkpointed with the rest, so a resumed run continues it.
+    self.dynamic_scale = precision.is_dynamic(cfg.precision)
+    if self.dynamic_scale:
+      self.state_specs["loss_scale"] = {"scale": P(), "good_steps": P()}
+      self.state_shardings["loss_scale"] = {k: NamedSharding(mesh, P()) for k in ("scale", "good_steps")}
+      self.abstract_state["loss_scale"] = precision.scale_abstract()
     self._step = None
     self._reorder_fns: dict = {}
 
@@ -71,7 +77,7 @@ class Trainer:
     """The whole train state, created sharded: each device computes only its shards."""
     def init_fn(key):
       params = self._reorder(self.model.init(key), self.layer_order)
-      return {"step": jnp.zeros((), jnp.int32), "params": params, "opt": self.tx.init(params)}
+      return self._new_state(params)
     with jax.set_mesh(self.mesh):
       return jax.jit(init_fn, out_shardings=self.state_shardings)(jax.random.key(seed))
 
@@ -80,9 +86,39 @@ class Trainer:
     layer order, e.g. imported ones; `params` already carry the parameter shardings."""
     def init_fn(params):
       params = self._reorder(params, self.layer_order)
-      return {"step": jnp.zeros((), jnp.int32), "params": params, "opt": self.tx.init(params)}
+      return self._new_state(params)
     with jax.set_mesh(self.mesh):
       return jax.jit(init_fn, out_shardings=self.state_shardings, donate_argnums=0)(params)
+
+  def _new_state(self, params: Any) -> dict:
+    """Step 0 and a fresh optimizer (and loss scale) around `params` (inside a jit)."""
+    state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt": self.tx.init(params)}
+    if self.dynamic_scale:
+      state["loss_scale"] = precision.init_scale(self.cfg.precision)
+    return state
+
+  def restore(self, ckpt, step: int) -> tuple[dict, dict]:
+    """(state, extra) of checkpoint `step` (a checkpoint.Checkpointer) onto this trainer's layout.
+
+    Whether a dynamic loss scale is saved follows the run that saved it, not this one: a
+    checkpoint without one (a static scale) starts it at precision.initial_scale, and one with it
+    resumed under a static scale drops it.
+    """
+    meta = ckpt.metadata(step)
+    stored = "loss_scale" in getattr(meta, "tree", meta)  # orbax's metadata of the state tree
+    abstract, shardings = dict(self.abstract_state), dict(self.state_shardings)
+    if stored and not self.dynamic_scale:
+      abstract["loss_scale"] = precision.scale_abstract()
+      shardings["loss_scale"] = {k: NamedSharding(self.mesh, P()) for k in abstract["loss_scale"]}
+    elif self.dynamic_scale and not stored:
+      del abstract["loss_scale"], shardings["loss_scale"]
+    state, extra = ckpt.restore(step, abstract, shardings)
+    if self.dynamic_scale and not stored:
+      state["loss_scale"] = jax.device_put(precision.init_scale(self.cfg.precision),
+                                           self.state_shardings["loss_scale"])
+    elif stored and not self.dynamic_scale:
+      del state["loss_scale"]
+    return state, extra
 
   # -- layer order -------------------------------------------------------------------------------
   # The circular schedule runs chunk c (layers c·Lc ...) on stage c mod P, while the `pipeline`
@@ -187,11 +223,12 @@ class Trainer:
     return jax.jit(fn, in_shardings=(self.state_shardings["params"],
                                      self.batch_sharding(batch_abstract)))
 
-  def _grads(self, params, batch):
-    """(params, global batch) -> (loss, metrics, grads with the layout's grad shardings)."""
+  def _grads(self, params, batch, scale=None):
+    """(params, global batch) -> (loss, metrics, grads with the layout's grad shardings).
+    `scale`: the loss scale, a traced scalar under dynamic scaling (default: the static one)."""
     L = self.layout
     stage, accum = L.stage, self.cfg.train.grad_accum
-    scale = self.cfg.precision.loss_scale
+    scale = precision.static_scale(self.cfg.precision) if scale is None else scale
     model, dtype, sched = self.model, self.compute_dtype, self.schedule
     data_sharded, manual = self._manual()
     # Without a pipeline the body is differentiated by jax.grad under vma checking; the pipeline
@@ -230,7 +267,7 @@ class Trainer:
         total, _ = jax.lax.scan(
             lambda acc, mb: (jax.tree_util.tree_map(jnp.add, acc, one(mb)), None), zeros, micro)
         loss, aux, grads = jax.tree_util.tree_map(lambda x: x / accum, total)
-      if scale != 1.0:
+      if not (isinstance(scale, float) and scale == 1.0):
         grads = jax.tree_util.tree_map(lambda g: g / scale, grads)
       if not data_sharded:  # one data shard: nothing to reduce over `data`
         return loss, aux, grads
@@ -248,7 +285,8 @@ class Trainer:
 
   def step_fn(self, state: dict, batch: dict) -> tuple[dict, dict]:
     """One optimizer step on one global batch. Pure; `compiled_step` jits it."""
-    loss, aux, grads = self._grads(state["params"], batch)
+    dyn = state.get("loss_scale")  # the dynamic loss scale's state, or None
+    loss, aux, grads = self._grads(state["params"], batch, None if dyn is None else dyn["scale"])
     grads = jax.lax.with_sharding_constraint(grads, zero.named(self.mesh, self.layout.grads))
     opt = state["opt"]
     if self.cfg.parallel.offload_optimizer:  # host -> device for the update, back via out_shardings
@@ -262,12 +300,17 @@ class Trainer:
                "learning_rate": self.lr_schedule(state["step"]), **aux}
     if self.expose_grads:
       metrics["grads"] = grads
-    if self.cfg.train.skip_nonfinite:  # keep the old state; the loop counts the skipped steps
+    # an overflow under dynamic scaling is skipped like train.skip_nonfinite's non-finite steps
+    if self.cfg.train.skip_nonfinite or dyn is not None:  # keep the old state; the loop counts it
       ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       params = jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), params, state["params"])
       new_opt = optim.keep_unless(ok, new_opt, opt)
       metrics["skipped"] = (~ok).astype(jnp.int32)
-    return {"step": state["step"] + 1, "params": params, "opt": new_opt}, metrics
+    new = {"step": state["step"] + 1, "params": params, "opt": new_opt}
+    if dyn is not None:  # the scale this step ran with; an overflow backs it off
+      metrics["loss_scale"] = dyn["scale"]
+      new["loss_scale"] = precision.next_scale(dyn, ok, self.cfg.precision)
+    return new, metrics
 
   def jitted(self, batch_abstract: Any):
     """The step, jitted with the state's shardings (state donated)."""
