@@ -79,7 +79,9 @@ class ParallelConfig:
   microbatches: int = 0  # pipeline microbatches per step; 0 = 2 x the pipeline degree
   schedule: str = "gpipe"  # gpipe | circular | 1f1b
   virtual_stages: int = 1
-  remat: bool = False
+  # per-layer activation checkpointing: none | full (save only each layer's input) |
+  # dots_saveable (keep matmul outputs) | offload (keep them in pinned_host); true = full
+  remat: str = "none"
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,7 @@ _CHOICES = {
     "model.kind": ("gpt", "llama", "cnn"),
     "data.source": ("local_text", "tfds", "synthetic"),
     "parallel.schedule": ("gpipe", "circular", "1f1b"),
+    "parallel.remat": ("none", "full", "dots_saveable", "offload"),
     "precision.param_dtype": _DTYPES,
     "precision.compute_dtype": ("auto",) + _DTYPES,
 }
@@ -162,7 +165,13 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
   raise ConfigError(f"config key {key} must be of type {typ.__name__}, got {value!r}")
 
 
+# Earlier spellings still accepted: parallel.remat was a bool.
+_ALIASES = {"parallel.remat": {True: "full", False: "none", "true": "full", "false": "none"}}
+
+
 def _apply(cfg: Config, key: str, value: Any) -> Config:
+  if key in _ALIASES and isinstance(value, (bool, str)):
+    value = _ALIASES[key].get(value.lower() if isinstance(value, str) else value, value)
   parts = key.split(".")
   if len(parts) != 2:
     raise ConfigError(f"unknown config key: {key} (keys look like section.name, e.g. train.lr)")

@@ -22,7 +22,6 @@ from jaxpar import hlo
 from jaxpar import mesh as jmesh
 from jaxpar import metrics as jmetrics
 from jaxpar import model as jmodel
-from jaxpar import precision
 from jaxpar.config import Config, ConfigError
 from jaxpar.step import Trainer
 
@@ -40,7 +39,7 @@ class RunResult:
 def build_model(cfg: Config) -> jmodel.ModelDef:
   """The ModelDef for `model.kind`."""
   if cfg.model.kind in jmesh.DECODERS:
-    return jmodel.decoder(cfg, precision.param_dtype(cfg.precision), cfg.parallel.remat)
+    return jmodel.decoder(cfg)
   if cfg.model.kind == "cnn":
     from jaxpar.models import cnn
     return cnn.model_def(cfg)

@@ -111,10 +111,13 @@ def from_linen(module: Any, example_input: Any, loss_fn: LossFn, input_key: str 
   return ModelDef(init=init, loss=loss, logical=logical, abstract=abstract)
 
 
-def decoder(cfg, param_dtype=jnp.float32, remat: bool = False) -> ModelDef:
-  """jaxpar's decoders (`model.kind` gpt or llama): ZeRO-3 gathers one layer at a time inside
-  the scan; the pipeline form runs any schedule."""
+def decoder(cfg) -> ModelDef:
+  """jaxpar's decoders (`model.kind` gpt or llama) in `precision.param_dtype`, each layer under
+  `parallel.remat`'s policy: ZeRO-3 gathers one layer at a time inside the scan; the pipeline
+  form runs any schedule."""
+  from jaxpar import precision
   from jaxpar.models import decoder as d
+  param_dtype, remat = precision.param_dtype(cfg.precision), cfg.parallel.remat
   module = _decoders()[cfg.model.kind]
   mc = cfg.model
   parts = decoder_parts(mc)

@@ -158,7 +158,7 @@ def head_logits(p: dict, x: jax.Array) -> jax.Array:
 
 
 def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, dtype=jnp.float32, dims: Any = None,
-            remat: bool = False, manual=frozenset()) -> jax.Array:
+            remat: str = "none", manual=frozenset()) -> jax.Array:
   """tokens (B, T) int -> logits (B, T, V) float32 (decoder.forward)."""
   return decoder.forward(parts(cfg), params, tokens, dtype, dims, remat, manual)
 
