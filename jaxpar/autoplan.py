@@ -1,0 +1,440 @@
+"""Choosing a layout: which DxMxP mesh, ZeRO stage and pipeline schedule to train on N devices.
+
+`auto` enumerates every layout the model's shapes allow (mesh.check), compiles each on simulated
+devices through plan.plan, rejects those whose peak bytes per device exceed the memory budget and
+ranks the rest by predicted step time:
+
+  step = model FLOPs per device / device FLOP/s / (1 - bubble) + link bytes / link bandwidth
+
+Compute and communication are added, not overlapped, for every layout alike. FLOPs are the model's
+analytic training FLOPs split evenly over the devices (XLA's cost analysis counts a loop body
+once). Link bytes are what one device sends under ring algorithms, from the compiled program's
+collective result bytes: an all-reduce sends about twice its result (a reduce-scatter, then an
+all-gather), a reduce-scatter (data - 1) times its result (jaxpar reduce-scatters gradients over
+`data` only), the other kinds about their result.
+
+`estimate` is the same prediction without compiling: the ZeRO paper's model-state bytes (params +
+grads + optimizer state, split by stage) and analytic collective bytes. It orders the compiles, so
+a search stopped early has compiled the layouts predicted fastest, and it is the whole of
+`--analytic`, for models too large to compile here (activations are not counted there).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from jaxpar import config as jconfig
+from jaxpar import mesh as jmesh
+from jaxpar import pipeline
+from jaxpar.config import Config, ConfigError
+
+DEVICE_KINDS = ("cpu", "h100", "h200", "a100")
+SCHEDULES = ("gpipe", "1f1b", "circular")
+# Per GPU (SXM parts), from NVIDIA's datasheets: dense bf16 tensor-core FLOP/s (no sparsity), the
+# NVLink bandwidth in one direction (half the bidirectional total the datasheets quote), and HBM.
+#   H100 SXM5: 989 TFLOP/s, NVLink 4 900 GB/s, 80 GB HBM3   (NVIDIA H100 Tensor Core GPU datasheet)
+#   H200 SXM:  989 TFLOP/s, NVLink 900 GB/s, 141 GB HBM3e   (NVIDIA H200 Tensor Core GPU datasheet)
+#   A100 SXM 80GB: 312 TFLOP/s, NVLink 3 600 GB/s, 80 GB HBM2e (NVIDIA A100 Tensor Core GPU datasheet)
+_DATASHEETS = {
+    "h100": (989e12, 450e9, 80e9, "NVIDIA H100 SXM datasheet"),
+    "h200": (989e12, 450e9, 141e9, "NVIDIA H200 SXM datasheet"),
+    "a100": (312e12, 300e9, 80e9, "NVIDIA A100 SXM 80GB datasheet"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+  """What one device does per second and holds: the denominators of the prediction."""
+  kind: str
+  flops: float  # FLOP/s
+  link: float  # bytes/s one device sends
+  memory: float  # bytes
+  source: str
+
+
+def memcpy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
+  """Best bytes/s of one numpy copy of `nbytes` on this host: simulated devices' collectives are
+  copies between buffers of one process."""
+  src = np.ones(nbytes // 8)
+  dst = np.empty_like(src)
+  best = math.inf
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    np.copyto(dst, src)
+    best = min(best, time.perf_counter() - t0)
+  return nbytes / best
+
+
+def rates(kind: str, n_devices: int) -> Rates:
+  """Rates of one of `n_devices` devices of `kind`: datasheet figures for GPUs, measured on CPU.
+
+  Simulated CPU devices share the host: its measured matmul FLOP/s, memcpy bandwidth and physical
+  memory are divided by `n_devices`.
+  """
+  if kind in _DATASHEETS:
+    flops, link, memory, sheet = _DATASHEETS[kind]
+    return Rates(kind, flops, link, memory,
+                 f"{sheet}: {flops / 1e12:.0f} TFLOP/s dense bf16, NVLink {link / 1e9:.0f} GB/s "
+                 f"each way, {memory / 1e9:.0f} GB")
+  if kind != "cpu":
+    raise ConfigError(f"--device-kind {kind!r} is not one of {', '.join(DEVICE_KINDS)}")
+  import jax
+  from jaxpar import metrics
+  per_local, _ = metrics.peak_flops_per_device()
+  host_flops = per_local * len(jax.local_devices())
+  host_link = memcpy_bandwidth()
+  host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  n = n_devices
+  return Rates("cpu", host_flops / n, host_link / n, host_memory / n,
+               f"this host, measured: fp32 matmul {host_flops / 1e9:.1f} GFLOP/s, memcpy "
+               f"{host_link / 1e9:.1f} GB/s, {host_memory / 1e9:.1f} GB of memory, each shared by "
+               f"{n} simulated devices")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """One way to run the step: a mesh, a ZeRO stage and, with pipeline > 1, a schedule."""
+  mesh: tuple[int, int, int]
+  zero_stage: int
+  schedule: str = ""  # "" without a pipeline
+  microbatches: int = 1
+  virtual_stages: int = 1
+
+  def __str__(self) -> str:
+    d, m, p = self.mesh
+    text = f"{d}x{m}x{p} ZeRO-{self.zero_stage}"
+    if self.schedule:
+      v = f" V={self.virtual_stages}" if self.virtual_stages > 1 else ""
+      text += f" {self.schedule}{v} M={self.microbatches}"
+    return text
+
+  def apply(self, cfg: Config) -> Config:
+    """`cfg` with this layout's parallel settings (the rest of the config as it was)."""
+    par = {"zero_stage": self.zero_stage, "virtual_stages": self.virtual_stages}
+    if self.schedule:
+      par.update(schedule=self.schedule, microbatches=self.microbatches)
+    return jconfig.override(cfg, parallel=par)
+
+
+def factorisations(n: int) -> list[tuple[int, int, int]]:
+  """Every (data, model, pipeline) with data * model * pipeline = n, data-major."""
+  return [(d, m, n // (d * m)) for d in range(n, 0, -1) if n % d == 0
+          for m in range(1, n // d + 1) if (n // d) % m == 0]
+
+
+def layouts(cfg: Config, n: int) -> tuple[list[Layout], list[str]]:
+  """(layouts the model's shapes allow on n devices, one sentence per mesh or choice ruled out).
+
+  ZeRO stages 0-3 when data > 1 (they shard over `data`; with one data shard all are stage 0);
+  with pipeline P > 1 each schedule with P and 2P microbatches, circular with 2 virtual stages.
+  """
+  out, ruled_out = [], []
+  for shape in factorisations(n):
+    d, m, p = shape
+    pipes = [("", 1, 1)] if p == 1 else [(s, k * p, 2 if s == "circular" else 1)
+                                         for s in SCHEDULES for k in (1, 2)]
+    allowed, errors = [], []
+    for sched, micro, v in pipes:  # the ZeRO stage changes none of these checks
+      lay = Layout(shape, 0, sched, micro, v)
+      try:
+        jmesh.check(shape, lay.apply(cfg), n)
+        if sched:
+          pipeline.build(sched, p, micro, v)
+      except ConfigError as e:
+        errors.append((f"{d}x{m}x{p} {sched} M={micro}: " if sched else "", str(e)))
+        continue
+      allowed.append((sched, micro, v))
+    # A mesh no choice fits is one sentence; otherwise the schedule-specific refusals.
+    ruled_out.extend([errors[0][1]] if not allowed else [a + b for a, b in errors])
+    out += [Layout(shape, stage, *a) for stage in (range(4) if d > 1 else (0,)) for a in allowed]
+  return out, ruled_out
+
+
+# -- predictions -----------------------------------------------------------------------------------
+
+def state_bytes_per_param(cfg: Config) -> tuple[int, int, int]:
+  """(param, grad, optimizer-state) bytes per parameter of jaxpar's AdamW: grads and both moments
+  take the parameter dtype."""
+  b = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.precision.param_dtype]
+  return b, b, 2 * b
+
+
+def model_state_bytes(n_params: float, data: int, stage: int, bytes_param: float,
+                      bytes_grad: float, bytes_opt: float, shards: int = 1) -> float:
+  """Per-device params + grads + optimizer state under ZeRO `stage` over `data` devices (the ZeRO
+  paper's accounting); `shards` = model x pipeline degree, which splits all three first."""
+  per = n_params / shards
+  return per * (bytes_param / (data if stage >= 3 else 1) + bytes_grad / (data if stage >= 2 else 1)
+                + bytes_opt / (data if stage >= 1 else 1))
+
+
+def zero_table(n_params: float, n: int, bytes_param: float, bytes_grad: float,
+               bytes_opt: float) -> list[float]:
+  """Model-state bytes per device for ZeRO stages 0-3, data parallel over n devices."""
+  return [model_state_bytes(n_params, n, s, bytes_param, bytes_grad, bytes_opt) for s in range(4)]
+
+
+def link_bytes(collectives: dict[str, float], data: int) -> float:
+  """Bytes one device sends for a step's collectives (result bytes by kind, see hlo.py)."""
+  factor = {"all-reduce": 2.0, "reduce-scatter": float(max(data - 1, 1))}
+  return sum(v * factor.get(k, 1.0) for k, v in collectives.items())
+
+
+def for_device(cfg: Config, kind: str) -> Config:
+  """`cfg` as it would run on `kind`: compute_dtype auto means bfloat16 on a GPU."""
+  if kind != "cpu" and cfg.precision.compute_dtype == "auto":
+    return jconfig.override(cfg, precision={"compute_dtype": "bfloat16"})
+  return cfg
+
+
+def _compute_dtype_bytes(cfg: Config) -> int:
+  name = cfg.precision.compute_dtype
+  return 4 if name in ("auto", "float32") else 2
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+  """What the predictions need from the model: parameter count and training FLOPs per step."""
+  n_params: float
+  flops_per_step: float
+
+  @staticmethod
+  def of(cfg: Config, n_params: float | None = None) -> ModelFacts:
+    """From the model `cfg` builds (abstract shapes only); `n_params` overrides its count, and
+    then the FLOPs are 6 N per token (plus the attention term of DESIGN's definition)."""
+    from jaxpar import plan
+    import jax
+    model = plan._model(cfg)
+    count = sum(math.prod(a.shape) for a in jax.tree_util.tree_leaves(model.abstract))
+    flops = model.flops_per_example * cfg.train.batch_size
+    if n_params is not None:
+      mc = cfg.model
+      tokens = mc.seq_len * cfg.train.batch_size
+      attention = 12 * mc.n_layers * mc.d_model * mc.seq_len if mc.kind != "cnn" else 0
+      count, flops = n_params, (6 * n_params + attention) * tokens
+    return ModelFacts(float(count), float(flops))
+
+
+def _bubble(lay: Layout) -> tuple[float, int]:
+  """(bubble fraction, ticks) of the layout's executed schedule; (0, 0) without a pipeline."""
+  if not lay.schedule:
+    return 0.0, 0
+  sched = pipeline.build(lay.schedule, lay.mesh[2], lay.microbatches, lay.virtual_stages)
+  return sched.bubble_fraction, sched.ticks
+
+
+def _times(flops_per_step: float, n: int, sent: float, bubble: float, r: Rates) -> dict:
+  compute = flops_per_step / n / r.flops / (1.0 - bubble)
+  comm = sent / r.link
+  return {"compute_s": compute, "collective_s": comm, "step_s": compute + comm}
+
+
+def estimate(cfg: Config, lay: Layout, facts: ModelFacts, r: Rates,
+             state: tuple[float, float, float] | None = None) -> dict:
+  """The analytic prediction for one layout: model-state bytes, link bytes and step time."""
+  d, m, p = lay.mesh
+  bp, bg, bo = state or state_bytes_per_param(cfg)
+  shard = facts.n_params / (m * p)
+  sent = 0.0
+  if d > 1:
+    ring = (d - 1) / d
+    sent += (2 if lay.zero_stage <= 1 else 1) * ring * shard * bg  # all-reduce / reduce-scatter
+    sent += {1: 1, 2: 1, 3: 2}.get(lay.zero_stage, 0) * ring * shard * bp  # parameter all-gathers
+  bubble, ticks = _bubble(lay)
+  mc = cfg.model
+  if mc.kind != "cnn":
+    act = cfg.train.batch_size / d * mc.seq_len * mc.d_model * _compute_dtype_bytes(cfg)
+    if m > 1:  # Megatron: two all-reduces forward and two backward per layer
+      sent += 4 * (mc.n_layers / p) * 2 * (m - 1) / m * act
+    if p > 1:  # the executor sends one activation and one cotangent per tick
+      sent += 2 * ticks * act / lay.microbatches
+  row = _row(lay, "analytic")
+  row.update(memory_bytes=model_state_bytes(facts.n_params, d, lay.zero_stage, bp, bg, bo, m * p),
+             link_bytes=sent, bubble=bubble,
+             **_times(facts.flops_per_step, d * m * p, sent, bubble, r))
+  return row
+
+
+def evaluate(cfg: Config, lay: Layout, facts: ModelFacts, r: Rates, devices: Sequence[Any]) -> dict:
+  """The compiled prediction for one layout: plan.plan's peak bytes and collectives."""
+  from jaxpar import plan
+  report = plan.plan(lay.apply(cfg), lay.mesh, devices)
+  d, m, p = lay.mesh
+  coll = report["collectives"]
+  sent = link_bytes(coll, d)
+  bubble = report["pipeline"]["bubble_fraction"] if report["pipeline"] else 0.0
+  row = _row(lay, "compiled")
+  row.update(memory_bytes=report["compiled"]["peak_bytes"], collective_bytes=sum(coll.values()),
+             collectives=coll, link_bytes=sent, bubble=bubble,
+             model_state_bytes=sum(report["bytes_per_device"].values()),
+             **_times(facts.flops_per_step, d * m * p, sent, bubble, r))
+  return row
+
+
+def _row(lay: Layout, source: str) -> dict:
+  d, m, p = lay.mesh
+  return {"layout": str(lay), "mesh": f"{d}x{m}x{p}", "zero_stage": lay.zero_stage,
+          "schedule": lay.schedule or None, "microbatches": lay.microbatches if lay.schedule else None,
+          "virtual_stages": lay.virtual_stages, "source": source}
+
+
+# -- ranking ---------------------------------------------------------------------------------------
+
+def rank(rows: list[dict], budget: float) -> tuple[list[dict], list[dict]]:
+  """(rows within `budget` bytes per device, fastest first, with reasons; the rows over it)."""
+  fit = sorted((r for r in rows if r["memory_bytes"] <= budget),
+               key=lambda r: (r["step_s"], r["memory_bytes"]))
+  over = [r for r in rows if r["memory_bytes"] > budget]
+  for i, row in enumerate(fit):
+    row["rank"] = i + 1
+    row["why"] = _why(row, fit, budget, i)
+  return fit, over
+
+
+def _why(row: dict, fit: list[dict], budget: float, i: int) -> str:
+  """What sets this layout apart among those that fit, then how it fits."""
+  parts = []
+  if i == 0:
+    parts.append("fastest predicted step")
+  elif row["step_s"] <= fit[0]["step_s"] * 1.0001:
+    parts.append("ties the fastest, holds more memory")
+  least_sent = min(r["link_bytes"] for r in fit)
+  if row["link_bytes"] <= least_sent:
+    parts.append("least collective bytes" + ("" if least_sent else " (none)"))
+  elif row["link_bytes"] <= 1.1 * least_sent:
+    parts.append("collective bytes within 10% of the least")
+  if row["memory_bytes"] <= min(r["memory_bytes"] for r in fit):
+    parts.append("least memory")
+  elif i and row["memory_bytes"] < min(r["memory_bytes"] for r in fit[:i]):
+    parts.append("less memory than every faster layout")
+  if row["bubble"]:
+    parts.append(f"bubble {row['bubble']:.0%}")
+  share = row["collective_s"] / row["step_s"] if row["step_s"] else 0.0
+  parts.append(f"collectives {share:.0%} of its step")
+  what = "peak" if row["source"] == "compiled" else "model state"
+  parts.append(f"fits with ZeRO-{row['zero_stage']} at {_bytes(row['memory_bytes'])} {what} "
+               f"of {_bytes(budget)}")
+  return "; ".join(parts)
+
+
+def _bytes(b: float) -> str:
+  for scale, unit in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+    if abs(b) >= scale:
+      return f"{b / scale:.3g} {unit}"
+  return f"{b:.0f} B"
+
+
+def _ms(s: float) -> str:
+  return f"{s * 1e3:.4g} ms"
+
+
+# -- the two modes ---------------------------------------------------------------------------------
+
+def auto(cfg: Config, n: int, r: Rates, budget: float, devices: Sequence[Any] | None = None,
+         max_candidates: int | None = None, time_limit: float | None = None,
+         log: Callable[[str], None] = lambda s: None) -> dict:
+  """Compiles the layouts of `cfg` on n devices, fastest analytic prediction first, and ranks them.
+
+  Stops after `max_candidates` compiles or once `time_limit` seconds have passed; the result then
+  says how many were left out. Rows over `budget` bytes per device are rejected.
+  """
+  import jax
+  t0 = time.perf_counter()
+  cfg = for_device(cfg, r.kind)
+  devices = list(jax.devices() if devices is None else devices)[:n]
+  facts = ModelFacts.of(cfg)
+  lays, ruled_out = layouts(cfg, n)
+  order = sorted(lays, key=lambda lay: estimate(cfg, lay, facts, r)["step_s"])
+  rows, stopped = [], None
+  for k, lay in enumerate(order):
+    if max_candidates is not None and k >= max_candidates:
+      stopped = f"--max-candidates {max_candidates}"
+      break
+    if time_limit is not None and time.perf_counter() - t0 > time_limit:
+      stopped = f"--time-limit {time_limit:g} s"
+      break
+    t1 = time.perf_counter()
+    try:
+      row = evaluate(cfg, lay, facts, r, devices)
+    except (ConfigError, ValueError) as e:  # a layout XLA or the rules refuse: say so, go on
+      log(f"[{k + 1}/{len(order)}] {lay}: not compiled: {' '.join(str(e).split())}")
+      continue
+    finally:
+      jax.clear_caches()  # one compiled program at a time in memory
+    rows.append(row)
+    log(f"[{k + 1}/{len(order)}] {lay}: peak {_bytes(row['memory_bytes'])}, predicted "
+        f"{_ms(row['step_s'])} ({time.perf_counter() - t1:.1f} s to compile)")
+  fit, over = rank(rows, budget)
+  return {"mode": "auto", "devices": n, "device": dataclasses.asdict(r), "budget_bytes": budget,
+          "layouts": len(lays), "ruled_out": ruled_out, "compiled": len(rows),
+          "stopped_early": stopped, "seconds": time.perf_counter() - t0,
+          "ranked": fit, "over_budget": over}
+
+
+def analytic(cfg: Config, n: int, r: Rates, budget: float, n_params: float | None = None,
+             state: tuple[float, float, float] | None = None) -> dict:
+  """Every layout by the analytic prediction alone (nothing compiles), and the ZeRO table."""
+  cfg = for_device(cfg, r.kind)
+  facts = ModelFacts.of(cfg, n_params)
+  state = state or state_bytes_per_param(cfg)
+  lays, ruled_out = layouts(cfg, n)
+  fit, over = rank([estimate(cfg, lay, facts, r, state) for lay in lays], budget)
+  return {"mode": "analytic", "devices": n, "device": dataclasses.asdict(r), "budget_bytes": budget,
+          "n_params": facts.n_params, "state_bytes_per_param": list(state),
+          "zero_model_state_bytes": zero_table(facts.n_params, n, *state),
+          "layouts": len(lays), "ruled_out": ruled_out, "ranked": fit, "over_budget": over}
+
+
+def format_result(res: dict, top: int = 5) -> str:
+  """The ranking as text: rates used, what was enumerated and compiled, the top rows and why."""
+  dev = res["device"]
+  lines = [f"{res['devices']} {dev['kind']} devices: {_human_rate(dev['flops'])} and "
+           f"{_bytes(dev['link'])}/s link each ({dev['source']}); memory budget "
+           f"{_bytes(res['budget_bytes'])} per device"]
+  if res["mode"] == "analytic":
+    bp, bg, bo = res["state_bytes_per_param"]
+    lines.append(f"model states per device, data parallel over {res['devices']} devices, "
+                 f"{res['n_params']:.4g} parameters x ({bp:g} + {bg:g} + {bo:g}) bytes "
+                 "(params + grads + optimizer state):")
+    for stage, b in enumerate(res["zero_model_state_bytes"]):
+      lines.append(f"  ZeRO-{stage}: {_bytes(b)}")
+  out = res["ruled_out"]
+  lines.append(f"{res['layouts']} layouts the model's shapes allow; {len(out)} meshes or "
+               f"schedules ruled out" + (":" if out else ""))
+  lines += [f"  {why}" for why in out[:3]]
+  if len(out) > 3:
+    lines.append(f"  ... and {len(out) - 3} more (--json lists them all)")
+  if res["mode"] == "auto":
+    lines.append(f"compiled {res['compiled']} in {res['seconds']:.0f} s"
+                 f"; {len(res['over_budget'])} over the memory budget")
+    if res["stopped_early"]:
+      lines.append(f"STOPPED EARLY ({res['stopped_early']}): compiled {res['compiled']} of "
+                   f"{res['layouts']} layouts, in order of analytic predicted step time; the other "
+                   f"{res['layouts'] - res['compiled']} were predicted slower and are not ranked")
+  else:
+    lines.append("analytic: memory is model state only (no activations); nothing compiled; "
+                 f"{len(res['over_budget'])} over the memory budget")
+  ranked = res["ranked"][:top]
+  if not ranked:
+    lines.append("no layout fits the memory budget")
+    return "\n".join(lines)
+  lines.append("")
+  head = ("#", "layout", "step", "compute", "collectives", "memory")
+  rows = [(str(r["rank"]), r["layout"], _ms(r["step_s"]), _ms(r["compute_s"]),
+           _ms(r["collective_s"]), _bytes(r["memory_bytes"])) for r in ranked]
+  widths = [max(len(x[i]) for x in rows + [head]) for i in range(len(head))]
+  fmt = lambda x: "  ".join(c.ljust(w) for c, w in zip(x, widths))
+  lines.append(fmt(head))
+  for x, r in zip(rows, ranked):
+    lines.append(fmt(x))
+    lines.append(" " * (widths[0] + 2) + "why: " + r["why"])
+  return "\n".join(lines)
+
+
+def _human_rate(f: float) -> str:
+  return f"{f / 1e12:.4g} TFLOP/s" if f >= 1e12 else f"{f / 1e9:.4g} GFLOP/s"

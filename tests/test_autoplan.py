@@ -1,0 +1,102 @@
+"""Layout search: the ZeRO paper's model-state bytes, the enumeration, and --auto's ranking."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxpar import autoplan, config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GB = 1e9
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plan.py"), *args],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_zero_paper_model_states():
+  # ZeRO (Rajbhandari et al. 2020), Figure 1: 7.5B parameters, 64 devices, mixed-precision Adam:
+  # fp16 params and grads (2 + 2 bytes) and K = 12 bytes of optimizer state per parameter.
+  table = autoplan.zero_table(7.5e9, 64, 2, 2, 12)
+  assert [round(b / GB, 2) for b in table] == [120.0, 31.41, 16.64, 1.88]
+
+
+def test_cli_analytic_prints_the_zero_paper_figures():
+  p = cli("--analytic", "--devices", "64", "--params", "7.5e9", "--state-bytes", "2,2,12",
+          "--device-kind", "a100", "--set", "train.batch_size=64")
+  assert p.returncode == 0, p.stderr
+  for line in ("ZeRO-0: 120 GB", "ZeRO-1: 31.4 GB", "ZeRO-2: 16.6 GB", "ZeRO-3: 1.88 GB"):
+    assert line in p.stdout, p.stdout
+  # 120 GB of model state is over an A100's 80 GB: pure data parallelism without ZeRO is rejected.
+  assert "1 over the memory budget" in p.stdout
+
+
+def test_layouts_of_the_default_model_on_8_devices():
+  cfg = config.load(None, [])  # 4 layers, 4 heads, batch 16
+  lays, ruled_out = autoplan.layouts(cfg, 8)
+  meshes = {lay.mesh for lay in lays}
+  assert (1, 8, 1) not in meshes and (1, 1, 8) not in meshes  # 4 heads, 4 layers
+  assert {(8, 1, 1), (4, 2, 1), (2, 4, 1), (2, 2, 2), (1, 2, 4)} <= meshes
+  assert any("model.n_heads=4 is not divisible by model=8" in r for r in ruled_out)
+  assert all(lay.zero_stage == 0 for lay in lays if lay.mesh[0] == 1)  # ZeRO shards over data
+  assert {lay.zero_stage for lay in lays if lay.mesh == (8, 1, 1)} == {0, 1, 2, 3}
+  # circular with 2 virtual stages needs 2P | 4 layers: pipeline 2 only
+  assert {lay.mesh[2] for lay in lays if lay.schedule == "circular"} == {2}
+  assert len(lays) == len(set(lays))
+
+
+@pytest.fixture(scope="module")
+def auto_default():
+  """--auto on 8 simulated devices for the default model, the 2 layouts predicted fastest."""
+  p = cli("--auto", "--devices", "8", "--max-candidates", "2", "--json")
+  assert p.returncode == 0, p.stderr
+  return json.loads(p.stdout)
+
+
+def test_auto_ranks_the_default_model(auto_default):
+  r = auto_default
+  assert r["devices"] == 8 and r["compiled"] == 2 and r["stopped_early"] == "--max-candidates 2"
+  assert r["layouts"] > 50  # meshes x ZeRO stages x schedules x microbatches
+  ranked = r["ranked"]
+  assert len(ranked) == 2 and [x["rank"] for x in ranked] == [1, 2]
+  assert [x["step_s"] for x in ranked] == sorted(x["step_s"] for x in ranked)
+  for x in ranked:
+    assert x["source"] == "compiled" and x["memory_bytes"] <= r["budget_bytes"]
+    assert x["step_s"] == pytest.approx(x["compute_s"] + x["collective_s"])
+    assert f"fits with ZeRO-{x['zero_stage']}" in x["why"]
+  assert "fastest predicted step" in ranked[0]["why"]
+  text = autoplan.format_result(r)
+  assert "STOPPED EARLY (--max-candidates 2): compiled 2 of" in text
+  assert ranked[0]["layout"] in text
+
+
+def test_budget_rejects_what_does_not_fit(auto_default):
+  rows = [dict(x) for x in auto_default["ranked"]]
+  peaks = sorted(x["memory_bytes"] for x in rows)
+  budget = (peaks[0] + peaks[-1]) / 2
+  fit, over = autoplan.rank(rows, budget)
+  assert fit and over and len(fit) + len(over) == len(rows)
+  assert all(x["memory_bytes"] <= budget for x in fit)
+  assert all(x["memory_bytes"] > budget for x in over)
+  assert not autoplan.rank(rows, peaks[0] - 1)[0]
+
+
+@pytest.mark.parametrize("args", [["--auto"], ["--auto", "--devices", "8", "--mesh", "8x1x1"],
+                                  ["--auto", "--devices", "8", "--memory-per-device", "lots"]])
+def test_cli_bad_search_input_is_one_line_and_exit_2(args):
+  p = cli(*args)
+  assert p.returncode == 2, p.stderr
+  lines = p.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+
+
+def test_cli_device_kinds_are_autoplans():
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("plan_script", os.path.join(ROOT, "scripts", "plan.py"))
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  assert script.autoplan_kinds() == autoplan.DEVICE_KINDS
