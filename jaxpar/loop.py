@@ -22,6 +22,7 @@ from jaxpar import hlo
 from jaxpar import mesh as jmesh
 from jaxpar import metrics as jmetrics
 from jaxpar import model as jmodel
+from jaxpar import profile as jprofile
 from jaxpar.config import Config, ConfigError
 from jaxpar.step import Trainer
 
@@ -161,11 +162,15 @@ def resumable(cfg: Config, ckpt_dir: str) -> int | None:
 
 
 def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_file: str | None = None,
-        steps: int | None = None, progress: bool = True, log=print) -> RunResult:
-  """Trains `cfg` on `mesh_shape` for `steps` total steps (default train.steps) in `workdir`."""
+        steps: int | None = None, progress: bool = True, log=print,
+        profile_steps: tuple[int, int] | None = None) -> RunResult:
+  """Trains `cfg` on `mesh_shape` for `steps` total steps (default train.steps) in `workdir`;
+  `profile_steps` (A, B) traces steps A..B into <workdir>/profile (jaxpar/profile.py)."""
   if steps is not None:
     cfg = jconfig.override(cfg, train={"steps": steps})
   total = cfg.train.steps
+  if profile_steps:
+    jprofile.check_window(profile_steps, total)
   trainer = prepare(cfg, mesh_shape)
   is_main = jax.process_index() == 0
 
@@ -267,11 +272,16 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
 
   # One process needs no agreement: it stops after the step its own signal lands in.
   vote = _StopVote(trainer.mesh) if pc > 1 else None
+  window = jprofile.Window(profile_steps, os.path.join(workdir, "profile")) if profile_steps else None
   with _StopFlag() as stop, jax.set_mesh(trainer.mesh):
     try:
       while step < total:
+        if window:  # the profiler's own start and stop are not step time
+          interval_t += window.before(step + 1, state)
         state, m = compiled(state, _global_batch(batches.next(), batch_sharding))
         step += 1
+        if window:
+          interval_t += window.after(step, state)
         interval_steps += 1
         pending.append((step, m))
         # Read once: a signal landing later in this iteration must not skip the save below yet
@@ -301,6 +311,8 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
           stopped = asked
           break
     finally:
+      if window:
+        window.stop()
       ckpt.wait()
       ckpt.close()
       batches.close()
@@ -311,7 +323,8 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
     _say_stopped(stopped, stop.requested, step, log if is_main else None)
   eps = cfg.train.batch_size * timed_steps / timed_s if timed_s else 0.0
   measured = jmetrics.device_peak_memory_bytes()  # the allocator's own peak, where kept (GPU)
-  summary = {"steps": step, "steps_this_run": step - start, "examples_per_sec": eps,
+  profiled = window.summary(compiled, trainer) if window else {}
+  summary = {**profiled, "steps": step, "steps_this_run": step - start, "examples_per_sec": eps,
              **({"tokens_per_sec": eps * tokens_per_step / cfg.train.batch_size}
                 if tokens_per_step else {}),
              "mfu": flops_per_step * eps / cfg.train.batch_size / (peak * n_dev),

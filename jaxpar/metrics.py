@@ -185,12 +185,30 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines.append("peak memory per device: "
                  + ("not reported by this backend" if mem is None else _human_bytes(mem)
                     + " (compiled step: arguments + outputs + temporaries - donated)"))
+  if s.get("profile"):
+    lines.append(_profile_line(s["profile"]))
   known = {"steps", "tokens_per_sec", "mfu", "peak_flops_per_device", "peak_flops_source",
-           "peak_memory_bytes", "final"}
+           "peak_memory_bytes", "final", "profile"}
   for k, v in s.items():
     if k not in known:
       lines.append(f"{k}: {v:.6g}" if isinstance(v, float) else f"{k}: {v}")
   return "\n".join(lines)
+
+
+def _profile_line(p: dict[str, Any]) -> str:
+  """The profiled steps' time split into compute, collectives and the rest, and where it came from."""
+  a, b = p["steps"]
+  if not p.get("traced_steps"):
+    return f"profile: steps {a}-{b} were not run by this run; no trace"
+  ms = lambda key: f"{1e3 * p[key]:.4g} ms"
+  share = p["collective_s"] / p["step_s"] if p["step_s"] else 0.0
+  how = ("measured from the profiler trace, per device, averaged over "
+         f"{p.get('devices', 0)} devices" if p["source"] == "trace" else
+         "estimated from the compiled HLO (FLOPs / peak FLOP/s against collective bytes / link "
+         "bandwidth), not measured")
+  return (f"profile steps {a}-{b} (trace in {p['trace_dir']}): step {ms('step_s')} = compute "
+          f"{ms('compute_s')} + collectives {ms('collective_s')} ({share:.0%}) + other "
+          f"{ms('other_s')}; {how}")
 
 
 class MetricsLogger:

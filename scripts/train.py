@@ -20,10 +20,15 @@ def main(argv=None) -> int:
   p.add_argument("--workdir", default="workdir", help="checkpoints, TensorBoard, built data")
   p.add_argument("--metrics-file", help="JSON Lines: one object per logged step, then a final one")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.add_argument("--profile-steps", metavar="A:B",
+                 help="trace steps A..B with the JAX profiler into <workdir>/profile; the summary "
+                      "splits their time into compute and collectives")
   distributed.add_flags(p)
   args = p.parse_args(argv)
 
   def body():
+    from jaxpar import profile  # bad input is refused before any device is touched
+    window = profile.parse_window(args.profile_steps) if args.profile_steps is not None else None
     spec = distributed.resolve(args)
     cfg, shape = cli.setup(args, processes=spec.num_processes)
     distributed.initialize(spec)  # before anything touches the devices
@@ -32,7 +37,7 @@ def main(argv=None) -> int:
     log = print if distributed.is_main() else (lambda *a, **k: None)
     try:
       result = loop.run(cfg, shape, args.workdir, args.metrics_file, args.steps,
-                        progress=not args.no_progress, log=log)
+                        progress=not args.no_progress, log=log, profile_steps=window)
     except Exception as e:
       distributed.exit_if_peer_lost(e)
       raise

@@ -1,0 +1,179 @@
+"""A profiler window over training steps A..B, and their time split into compute and collectives.
+
+`--profile-steps A:B` traces steps A to B (counted from 1, as the loop logs them) with
+`jax.profiler` into `<workdir>/profile`, which TensorBoard's profile plugin or Perfetto open. The
+window is fenced: the steps before A finish before the trace starts, and step B finishes before
+it stops, so the trace holds exactly those steps.
+
+The split is read back from the trace the profiler wrote (its `.xplane.pb`, through
+`jax.profiler.ProfileData`, no TensorFlow needed): per device, the time covered by collective ops
+(waiting for peers included) and the time covered by every other op of the step's program.
+Whatever of the wall-clock step neither covers is `other` (host work, dispatch, idle). Where the
+trace holds no op events, the split is estimated from the compiled HLO instead (collective bytes
+over link bandwidth against FLOPs over peak FLOP/s, jaxpar.autoplan's model) and says so.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import time
+from typing import Any
+
+from jaxpar.config import ConfigError
+
+_COLLECTIVE = re.compile(r"^(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all|"
+                         r"ragged-all-to-all|collective-broadcast|send|recv)|nccl", re.IGNORECASE)
+
+
+def parse_window(text: str) -> tuple[int, int]:
+  """'2:3' -> (2, 3): steps A..B inclusive, 1 <= A <= B; one sentence otherwise."""
+  m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text or "")
+  if not m:
+    raise ConfigError(f"--profile-steps {text!r} is not of the form A:B with integer steps, "
+                      f"e.g. 2:3")
+  a, b = int(m.group(1)), int(m.group(2))
+  if a < 1 or a > b:
+    raise ConfigError(f"--profile-steps {text!r} needs 1 <= A <= B (steps count from 1), "
+                      f"got A={a}, B={b}")
+  return a, b
+
+
+def check_window(window: tuple[int, int], total: int) -> None:
+  """The window must end by the run's last step."""
+  if window[1] > total:
+    raise ConfigError(f"--profile-steps {window[0]}:{window[1]} ends after the run's last step "
+                      f"{total}; use B <= {total}")
+
+
+class Window:
+  """Starts the trace before step A and stops it after step B; the loop calls `before`/`after`."""
+
+  def __init__(self, window: tuple[int, int], directory: str):
+    self.first, self.last = window
+    self.directory = directory
+    self.active = False
+    self.steps = 0  # steps traced
+    self.wall_s = 0.0
+    self._t0 = 0.0
+    self._annotation = None
+
+  def before(self, step: int, state: Any) -> float:
+    """Called before dispatching `step` (1-based); starts the trace at the window's first step
+    (or the first step this run reaches inside it, after a resume). Returns the seconds the
+    profiler itself took, which are not step time."""
+    import jax
+    spent = 0.0
+    if not self.active and self.first <= step <= self.last and not self.steps:
+      jax.block_until_ready(state)  # earlier steps stay out of the trace
+      t0 = time.perf_counter()
+      os.makedirs(self.directory, exist_ok=True)
+      jax.profiler.start_trace(self.directory)
+      self.active, self._t0 = True, time.perf_counter()
+      spent = self._t0 - t0
+    if self.active:
+      self._annotation = jax.profiler.StepTraceAnnotation("train", step_num=step)
+      self._annotation.__enter__()
+    return spent
+
+  def after(self, step: int, state: Any) -> float:
+    """Called after dispatching `step`; stops the trace once the window's last step is done.
+    Returns the seconds the profiler itself took."""
+    if not self.active:
+      return 0.0
+    self._annotation.__exit__(None, None, None)
+    self.steps += 1
+    if step < self.last:
+      return 0.0
+    import jax
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    self.wall_s = t0 - self._t0
+    self.stop()  # writes the trace: seconds on a large run
+    return time.perf_counter() - t0
+
+  def stop(self) -> None:
+    """Stops a trace still running (a run interrupted inside the window)."""
+    if self.active:
+      import jax
+      jax.profiler.stop_trace()
+      self.active = False
+
+  def summary(self, compiled: Any, trainer: Any) -> dict:
+    """{'profile': ...} for the run summary: the window, the trace and the split of its steps."""
+    if not self.steps:
+      return {"profile": {"steps": [self.first, self.last], "traced_steps": 0}}
+    step_s = self.wall_s / self.steps
+    out = {"steps": [self.first, self.last], "traced_steps": self.steps,
+           "trace_dir": self.directory, "step_s": step_s}
+    split = split_from_trace(self.directory, self.steps)
+    if split is not None:
+      out.update(source="trace", trace_file=split.pop("file"), **split)
+    else:
+      out.update(source="hlo estimate", **estimate_from_hlo(compiled, trainer, step_s))
+    out["other_s"] = max(step_s - out["compute_s"] - out["collective_s"], 0.0)
+    return {"profile": out}
+
+
+def _union(spans: list[tuple[int, int]]) -> int:
+  """Total length covered by [start, end) spans."""
+  total, end = 0, None
+  for a, b in sorted(spans):
+    if end is None or a > end:
+      total += b - a
+      end = b
+    elif b > end:
+      total += b - end
+      end = b
+  return total
+
+
+def split_from_trace(directory: str, steps: int) -> dict | None:
+  """{'compute_s', 'collective_s', 'devices', 'file'}: per device per step, averaged over devices,
+  from the newest .xplane.pb under `directory`; None when it holds no XLA op events."""
+  import jax
+  files = glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
+  if not files:
+    return None
+  path = max(files, key=os.path.getmtime)
+  busy: dict[Any, list] = {}
+  coll: dict[Any, list] = {}
+  for plane in jax.profiler.ProfileData.from_file(path).planes:
+    on_device = plane.name.startswith("/device:")
+    for line in plane.lines:
+      for ev in line.events:
+        stats = dict(ev.stats)
+        op = stats.get("hlo_op")
+        if op is None and on_device and line.name == "XLA Ops":
+          op = ev.name  # GPU device planes name events after the HLO op
+        if op is None:
+          continue
+        # XLA:CPU tags each op with its device; a GPU plane is one device.
+        device = (plane.name, stats.get("device_ordinal"))
+        span = (int(ev.start_ns), int(ev.start_ns + ev.duration_ns))
+        busy.setdefault(device, []).append(span)
+        if _COLLECTIVE.search(str(op)):
+          coll.setdefault(device, []).append(span)
+  if not busy:
+    return None
+  n = len(busy)
+  covered = sum(_union(s) for s in busy.values()) / n / steps * 1e-9
+  collective = sum(_union(coll.get(d, [])) for d in busy) / n / steps * 1e-9
+  return {"compute_s": covered - collective, "collective_s": collective, "devices": n,
+          "file": path}
+
+
+def estimate_from_hlo(compiled: Any, trainer: Any, step_s: float) -> dict:
+  """{'compute_s', 'collective_s'}: the measured step split in the ratio the compiled program
+  predicts (FLOPs / peak against collective link bytes / link bandwidth)."""
+  import jax
+  from jaxpar import autoplan, hlo
+  mesh = trainer.mesh
+  kind = next((k for k in autoplan.DEVICE_KINDS if k in jax.devices()[0].device_kind.lower()),
+              "cpu")
+  rates = autoplan.rates(kind, mesh.size)
+  sent = autoplan.link_bytes(hlo.collective_bytes(compiled.as_text()), mesh.shape["data"])
+  flops = trainer.model.flops_per_example * trainer.cfg.train.batch_size / mesh.size
+  compute, comm = flops / rates.flops, sent / rates.link
+  share = comm / (compute + comm) if compute + comm else 0.0
+  return {"compute_s": step_s * (1 - share), "collective_s": step_s * share}
