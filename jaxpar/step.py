@@ -9,6 +9,7 @@ partitions the tensor-parallel matmuls inside. The optimizer update runs outside
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -52,7 +53,10 @@ class Trainer:
     opt_abstract = jax.eval_shape(self.tx.init, model.abstract)
     opt_specs = zero.opt_state_specs(opt_abstract, model.abstract, self.layout.opt)
     self.state_specs = {"step": P(), "params": self.layout.params, "opt": opt_specs}
-    host = "pinned_host" if pc.offload_optimizer else None
+    host = zero.HOST if pc.offload_optimizer else None
+    if pc.offload_optimizer:
+      zero.check_host_memory(mesh)
+      self._offload_tx, self._n_clip = self._piecewise_tx(opt_abstract)
     self.opt_device = zero.named(mesh, opt_specs)
     self.state_shardings = {"step": NamedSharding(mesh, P()),
                             "params": zero.named(mesh, self.layout.params),
@@ -289,28 +293,57 @@ class Trainer:
     loss, aux, grads = self._grads(state["params"], batch, None if dyn is None else dyn["scale"])
     grads = jax.lax.with_sharding_constraint(grads, zero.named(self.mesh, self.layout.grads))
     opt = state["opt"]
-    if self.cfg.parallel.offload_optimizer:  # host -> device for the update, back via out_shardings
-      opt = jax.device_put(opt, self.opt_device)
-    updates, new_opt = self.tx.update(grads, opt, state["params"])
-    params = optax.apply_updates(state["params"], updates)
     grad_norm = optax.global_norm(grads)
+    # an overflow under dynamic scaling is skipped like train.skip_nonfinite's non-finite steps
+    skips = self.cfg.train.skip_nonfinite or dyn is not None
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) if skips else None
+    if self.cfg.parallel.offload_optimizer:
+      params, new_opt = self._offloaded_update(grads, opt, state["params"], ok)
+    else:
+      updates, new_opt = self.tx.update(grads, opt, state["params"])
+      params = optax.apply_updates(state["params"], updates)
+      if ok is not None:
+        new_opt = optim.keep_unless(ok, new_opt, opt)
     # The schedule's count moves with the step, skipped steps included (optim.keep_unless), so
     # this is the rate the update above applied.
     metrics = {"loss": loss, "grad_norm": grad_norm,
                "learning_rate": self.lr_schedule(state["step"]), **aux}
     if self.expose_grads:
       metrics["grads"] = grads
-    # an overflow under dynamic scaling is skipped like train.skip_nonfinite's non-finite steps
-    if self.cfg.train.skip_nonfinite or dyn is not None:  # keep the old state; the loop counts it
-      ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    if ok is not None:  # keep the old state; the loop counts the skipped steps
       params = jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), params, state["params"])
-      new_opt = optim.keep_unless(ok, new_opt, opt)
       metrics["skipped"] = (~ok).astype(jnp.int32)
     new = {"step": state["step"] + 1, "params": params, "opt": new_opt}
     if dyn is not None:  # the scale this step ran with; an overflow backs it off
       metrics["loss_scale"] = dyn["scale"]
       new["loss_scale"] = precision.next_scale(dyn, ok, self.cfg.precision)
     return new, metrics
+
+  # -- optimizer offload -------------------------------------------------------------------------
+  # The state stays in host memory and is updated a piece at a time (zero.offloaded_update), so
+  # the device never holds all of it. Global-norm clipping needs every gradient at once, so it
+  # runs first, on the device; the rest of optim.make's chain runs piece by piece.
+
+  def _piecewise_tx(self, opt_abstract: Any) -> tuple[optax.GradientTransformation, int]:
+    """(the optimizer chain without clipping, the number of leading clip states it leaves out)."""
+    tc = self.cfg.train
+    n_clip = 1 if tc.clip_norm > 0 else 0
+    tx = optim.make(dataclasses.replace(tc, clip_norm=0.0), self.model.logical)
+    rest = jax.eval_shape(tx.init, self.model.abstract)
+    if jax.tree_util.tree_structure(rest) != jax.tree_util.tree_structure(opt_abstract[n_clip:]):
+      raise AssertionError("optim.make's chain is no longer (clip, rest): update _piecewise_tx")
+    return tx, n_clip
+
+  def _offloaded_update(self, grads, opt, params, ok):
+    """(new params, new state) of the optimizer with its state in host memory."""
+    n = self._n_clip
+    if n:
+      grads, _ = optax.clip_by_global_norm(self.cfg.train.clip_norm).update(grads, opt[0])
+    keep = None if ok is None else (lambda new, old: optim.keep_unless(ok, new, old))
+    params, rest = zero.offloaded_update(self._offload_tx, grads, opt[n:], params,
+                                         self.state_shardings["opt"][n:], self.opt_device[n:],
+                                         keep)
+    return params, opt[:n] + rest
 
   def jitted(self, batch_abstract: Any):
     """The step, jitted with the state's shardings (state donated)."""
@@ -320,8 +353,12 @@ class Trainer:
 
   def lower(self, batch_abstract: Any):
     """The lowered step for abstract inputs (plan.py compiles this without running anything)."""
+    # The state's shardings go on the abstract values too: only they, not in_shardings, tell the
+    # trace that the offloaded optimizer state is in host memory.
+    state = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                   self.abstract_state, self.state_shardings)
     with jax.set_mesh(self.mesh):
-      return self.jitted(batch_abstract).lower(self.abstract_state, batch_abstract)
+      return self.jitted(batch_abstract).lower(state, batch_abstract)
 
   def step(self, state: dict, batch: dict) -> tuple[dict, dict]:
     """Runs one step, compiling on first use."""

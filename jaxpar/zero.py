@@ -4,6 +4,9 @@ Stage 0 replicates everything over `data` (DDP). Stage 1 shards optimizer state,
 gradients, stage 3 also parameters. A leaf is sharded over `data` on its largest dimension that
 the rules left free and that `data` divides; the scanned `layers` axis is never chosen, because
 the layer scan slices it and each device must hold its slice of every layer.
+
+Offload keeps the optimizer state in host memory (`pinned_host`) and updates it a piece at a time
+(`offloaded_update`), so the device never holds more than one piece of it.
 """
 from __future__ import annotations
 
@@ -11,11 +14,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import optax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.config import ConfigError
+
 DATA = "data"
+HOST = "pinned_host"
 # Name of every all-gathered parameter: `regather`'s checkpoint policy does not save these, so the
 # backward re-gathers a layer instead of keeping the whole stack unsharded until then.
 GATHERED = "zero3_gathered"
@@ -167,3 +175,81 @@ def scatter_mean(grads: Any, dims: Any, scatter: bool) -> Any:
       return jax.lax.psum_scatter(g, DATA, scatter_dimension=d, tiled=True) / n
     return jax.lax.psum(g, DATA) / n
   return jax.tree_util.tree_map(one, grads, dims)
+
+
+# -- optimizer offload -----------------------------------------------------------------------------
+
+def memory_kinds(device) -> set[str]:
+  """The memory kinds `device` can place arrays in (CPU and GPU: device, pinned_host, ...)."""
+  try:
+    return {m.kind for m in device.addressable_memories()}
+  except Exception:  # a backend without memory spaces
+    return set()
+
+
+def check_host_memory(mesh) -> None:
+  """Raises ConfigError unless the mesh's devices can hold arrays in host memory (pinned_host)."""
+  device = mesh.devices.flat[0]
+  kinds = memory_kinds(device)
+  if HOST not in kinds:
+    have = ", ".join(sorted(kinds)) or "none"
+    raise ConfigError(f"parallel.offload_optimizer=true needs {HOST} memory, which "
+                      f"{device.platform} devices do not offer (memory kinds: {have}); "
+                      "set parallel.offload_optimizer=false")
+
+
+def offloaded_update(tx, grads: Any, opt: Any, params: Any, host: Any, device: Any,
+                     keep=None) -> tuple[Any, Any]:
+  """(new params, new state) of one step of `tx` with its state `opt` in host memory.
+
+  The state moves to the device one parameter's moments at a time: copied in, updated, and
+  copied back to host memory before the next parameter's are copied in (optimization barriers
+  order them), so the device holds one leaf's moments instead of the whole state. `tx` must
+  treat leaves independently (Adam, weight decay, schedules: yes; global-norm clipping: apply it
+  to `grads` first). Optimizer leaves not shaped like params (step counts) are scalars and move
+  once. `host` / `device`: the state's shardings in each memory. `keep(new, old)`: applied to
+  each leaf's state (skipped steps). grads, params and the new params are on the device.
+
+  Leaves move whole, not a layer of a stacked leaf at a time: writing a layer back into a stacked
+  host array is a dynamic-update-slice into a host parameter, which XLA's host offloader rejects
+  (it takes one only into a buffer it allocates itself), while whole arrays streamed in and out
+  are its supported pattern. So the largest leaf sets what the device holds.
+  """
+  p_leaves, p_def = jax.tree_util.tree_flatten(params)
+  g_leaves = p_def.flatten_up_to(grads)
+  is_ptree = lambda x: jax.tree_util.tree_structure(x) == p_def
+  nodes, n_def = jax.tree_util.tree_flatten(opt, is_leaf=is_ptree)
+  host_nodes, dev_nodes = n_def.flatten_up_to(host), n_def.flatten_up_to(device)
+  moments = [k for k, n in enumerate(nodes) if is_ptree(n)]
+  flat = lambda tree, k: p_def.flatten_up_to(tree[k])
+  cur = {k: flat(nodes, k) for k in moments}  # each moment's leaves, in host memory
+  small = {k: jax.device_put(nodes[k], dev_nodes[k]) for k in range(len(nodes)) if k not in moments}
+  # The other leaves of each call are empty arrays: tx sees the whole tree (masks match) but
+  # computes only leaf i.
+  empty = [jnp.zeros((0,), x.dtype) for x in p_leaves]
+
+  def view(i, x):
+    return p_def.unflatten(empty[:i] + [x] + empty[i + 1:])
+
+  new_params, new_small = list(p_leaves), small
+  for i in range(len(p_leaves)):
+    mine = [cur[k][i] for k in moments]
+    if i:  # leaf i comes in only once leaf i-1 is back on the host and applied
+      *mine, back, new_params[i - 1] = jax.lax.optimization_barrier(
+          mine + [[cur[k][i - 1] for k in moments], new_params[i - 1]])
+      for k, x in zip(moments, back):
+        cur[k][i - 1] = x
+    old = {k: jax.device_put(x, flat(dev_nodes, k)[i]) for k, x in zip(moments, mine)}
+    state = n_def.unflatten([view(i, old[k]) if k in old else small[k] for k in range(len(nodes))])
+    upd, new = tx.update(view(i, g_leaves[i]), state, view(i, p_leaves[i]))
+    if keep is not None:
+      new = keep(new, state)
+    new_nodes = n_def.flatten_up_to(new)
+    if new_small is small:  # every call advances the counts alike
+      new_small = {k: new_nodes[k] for k in small}
+    new_params[i] = optax.apply_updates(p_leaves[i], p_def.flatten_up_to(upd)[i])
+    for k in moments:
+      cur[k][i] = jax.device_put(flat(new_nodes, k)[i], flat(host_nodes, k)[i])
+  new_nodes = [p_def.unflatten(cur[k]) if k in moments
+               else jax.device_put(new_small[k], host_nodes[k]) for k in range(len(nodes))]
+  return p_def.unflatten(new_params), n_def.unflatten(new_nodes)
