@@ -20,6 +20,8 @@ def main(argv=None) -> int:
   p.add_argument("--workdir", default="workdir", help="checkpoints, TensorBoard, built data")
   p.add_argument("--metrics-file", help="JSON Lines: one object per logged step, then a final one")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.add_argument("--deepspeed", metavar="DS_CONFIG",
+                 help="a DeepSpeed config (ds_config.json) read as overrides before --set")
   p.add_argument("--profile-steps", metavar="A:B",
                  help="trace steps A..B with the JAX profiler into <workdir>/profile; the summary "
                       "splits their time into compute and collectives")
@@ -30,6 +32,10 @@ def main(argv=None) -> int:
     from jaxpar import profile  # bad input is refused before any device is touched
     window = profile.parse_window(args.profile_steps) if args.profile_steps is not None else None
     spec = distributed.resolve(args)
+    if args.deepspeed:  # its overrides go first: --config < --deepspeed < --set
+      from jaxpar.interop import deepspeed
+      args.set = deepspeed.cli_overrides(args.deepspeed, args.mesh, args.set,
+                                         show=spec.process_id == 0) + args.set
     cfg, shape = cli.setup(args, processes=spec.num_processes)
     distributed.initialize(spec)  # before anything touches the devices
     distributed.preflight(cfg, shape)

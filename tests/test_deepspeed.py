@@ -1,0 +1,145 @@
+"""DeepSpeed configs read as jaxpar overrides: the mapping of a seed-style config, contradictions
+as one-sentence errors, warnings for what cannot be honoured, and the README's command."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from jaxpar import config
+from jaxpar.config import ConfigError
+from jaxpar.interop import deepspeed
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SEED = ROOT / "configs" / "ds_zero3_offload_fp16.json"
+
+
+def mapped(tree, dp=8, user_set=()):
+  m = deepspeed.translate(tree, dp)
+  return m, config.load(None, m.overrides + list(user_set))
+
+
+def test_seed_config_maps_to_the_expected_jaxpar_config():
+  m = deepspeed.load(str(SEED), 8)
+  cfg = config.load(None, m.overrides)
+  t, p, pr = cfg.train, cfg.parallel, cfg.precision
+  assert (t.batch_size, t.grad_accum, t.clip_norm) == (16, 2, 1.0)  # 1 x 2 x data 8
+  assert (t.lr, t.b1, t.b2, t.weight_decay) == (3e-3, 0.9, 0.95, 0.1)
+  assert (t.warmup_steps, t.steps, t.min_lr_ratio) == (30, 300, 0.0)  # WarmupDecayLR to min_lr 0
+  assert (p.zero_stage, p.offload_optimizer) == (3, True)
+  assert (pr.compute_dtype, pr.loss_scale, pr.initial_scale) == ("float16", "dynamic", 2.0 ** 16)
+  assert (pr.growth_interval, pr.min_scale) == (1000, 1.0)
+  # every row is printed as DeepSpeed key -> jaxpar key = value
+  table = m.table(["train.lr=0.01"])
+  assert "zero_optimization.offload_optimizer.device" in table
+  assert "-> parallel.offload_optimizer = true" in table
+  assert "-> train.lr = 0.003  (--set train.lr=0.01 wins)" in table
+  assert len(table.splitlines()) == len(m.rows) + 1
+
+
+def test_defaults_auto_and_user_set():
+  """A key left out of a present block is DeepSpeed's default (and says so); "auto" and absent
+  blocks leave jaxpar's value; the user's --set wins over the DeepSpeed file."""
+  tree = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto",
+          "fp16": {"enabled": True}, "optimizer": {"type": "Adam", "params": {"lr": "auto"}},
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10,
+                                                       "warmup_type": "linear"}},
+          "activation_checkpointing": {"partition_activations": False}}
+  m, cfg = mapped(tree, dp=4, user_set=["train.b2=0.98"])
+  assert (cfg.train.batch_size, cfg.train.grad_accum) == (8, 1)  # 2 x 1 (default) x data 4
+  assert cfg.precision.loss_scale == "dynamic"  # DeepSpeed's default loss_scale 0
+  assert cfg.precision.growth_interval == 1000  # DeepSpeed's loss_scale_window, not jaxpar's 2000
+  assert (cfg.train.b1, cfg.train.b2, cfg.train.weight_decay) == (0.9, 0.98, 0.0)
+  assert cfg.train.lr == config.Config().train.lr  # "auto": jaxpar's own
+  assert (cfg.train.warmup_steps, cfg.train.min_lr_ratio) == (10, 1.0)  # constant after warmup
+  assert cfg.parallel.remat not in (False, "none")
+  assert cfg.train.steps == config.Config().train.steps  # WarmupLR has no total
+  assert "fp16.loss_scale_window (DeepSpeed default)" in m.table()
+  assert "(DeepSpeed default)" in dict((k, d) for d, k, _ in m.rows)["train.grad_accum"]
+  assert m.warnings == ["fp16.hysteresis=2 is not honoured (jaxpar backs the scale off on every "
+                        "overflow, as hysteresis 1)"]
+
+
+CONTRADICTORY = [
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2,
+      "gradient_accumulation_steps": 1},
+     "train_batch_size=32 is not train_micro_batch_size_per_gpu=2 x gradient_accumulation_steps=1 "
+     "x data-parallel degree 8 = 16"),
+    ({"train_batch_size": 20, "train_micro_batch_size_per_gpu": 2},
+     "train_batch_size=20 is not divisible by train_micro_batch_size_per_gpu=2 x data-parallel "
+     "degree 8"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
+     "fp16.enabled and bf16.enabled are both true"),
+    ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage=4 is not a ZeRO stage"),
+    ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, "optimizer.type='Lamb' is not available"),
+    ({"scheduler": {"type": "OneCycle", "params": {}}}, "scheduler.type='OneCycle' is not available"),
+    ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.01}}},
+     "adam_w_mode=false (Adam with L2 weight decay) is not available"),
+    ({"gradient_clipping": "one"}, "gradient_clipping='one' must be a non-negative number"),
+]
+
+
+@pytest.mark.parametrize("tree,message", CONTRADICTORY, ids=[m.split()[0] for _, m in CONTRADICTORY])
+def test_contradictory_or_unavailable_is_one_sentence_config_error(tree, message):
+  with pytest.raises(ConfigError) as e:
+    deepspeed.translate(tree, 8)
+  assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_ignorable_and_unknown_keys_are_warnings():
+  tree = {"train_batch_size": 16, "steps_per_print": 100, "wall_clock_breakdown": False,
+          "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e8,
+                                "allgather_partitions": True, "stage3_max_live_parameters": 1e9,
+                                "offload_param": {"device": "cpu"}, "bucket_magic": 1},
+          "activation_checkpointing": {"cpu_checkpointing": True, "number_checkpoints": 4},
+          "my_own_key": 1}
+  m, cfg = mapped(tree)
+  assert (cfg.parallel.zero_stage, cfg.train.batch_size, cfg.train.grad_accum) == (2, 16, 1)
+  text = "\n".join(m.warnings)
+  for key in ("steps_per_print=100", "zero_optimization.overlap_comm=true",
+              "zero_optimization.reduce_bucket_size", "zero_optimization.allgather_partitions",
+              "zero_optimization.stage3_max_live_parameters", "offload_param.device=cpu",
+              "activation_checkpointing.cpu_checkpointing", "activation_checkpointing.number_checkpoints"):
+    assert sum(key in w for w in m.warnings) == 1, (key, text)
+  assert "wall_clock_breakdown" not in text  # false asks for nothing
+  assert all("is not honoured (" in w for w in m.warnings[:-1])
+  assert m.warnings[-1] == ("not DeepSpeed keys jaxpar knows, ignored: "
+                            "zero_optimization.bucket_magic, my_own_key")
+
+
+def test_readme_command_runs(tmp_path):
+  """The README's command, a few steps on synthetic data, exits 0 having printed the mapping."""
+  readme = (ROOT / "README.md").read_text()
+  cmd = "python scripts/train.py --mesh 8x1x1 --deepspeed configs/ds_zero3_offload_fp16.json"
+  assert cmd in readme
+  assert SEED.read_text().splitlines()[0].startswith(f"// {cmd}")
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  metrics = tmp_path / "m.jsonl"
+  r = subprocess.run([sys.executable, *cmd.split()[1:], "--steps", "2", "--no-progress",
+                      "--workdir", str(tmp_path / "wd"), "--metrics-file", str(metrics),
+                      "--set", "data.source=synthetic", "train.log_every=1"],
+                     cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "-> precision.loss_scale = dynamic" in r.stdout and "steps: 2" in r.stdout
+  assert "warning: deepspeed: zero_optimization.overlap_comm=true is not honoured" in r.stderr
+  rows = [json.loads(l) for l in metrics.read_text().splitlines()]
+  assert rows[0]["loss_scale"] == 2.0 ** 16 and rows[-1]["final"]
+
+
+def test_contradiction_exits_2_with_one_sentence(tmp_path, capsys):
+  bad = tmp_path / "ds.json"
+  bad.write_text(json.dumps({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 1,
+                             "gradient_accumulation_steps": 1}))
+  sys.path.insert(0, str(ROOT / "scripts"))
+  try:
+    import train as train_script
+  finally:
+    sys.path.pop(0)
+  rc = train_script.main(["--mesh", "8x1x1", "--deepspeed", str(bad), "--workdir",
+                          str(tmp_path / "wd")])
+  assert rc == 2 and not (tmp_path / "wd").exists()
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == ["error: DeepSpeed train_batch_size=10 is not train_micro_batch_size_per_gpu=1 x "
+                 "gradient_accumulation_steps=1 x data-parallel degree 8 = 8"]
