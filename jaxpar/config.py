@@ -82,6 +82,9 @@ class ParallelConfig:
   # per-layer activation checkpointing: none | full (save only each layer's input) |
   # dots_saveable (keep matmul outputs) | offload (keep them in pinned_host); true = full
   remat: str = "none"
+  # Megatron sequence parallelism: norms and residuals split along `seq` over `model`; the
+  # tensor-parallel all-reduces become reduce-scatter + all-gather
+  sequence_parallel: bool = False
 
 
 @dataclass(frozen=True)

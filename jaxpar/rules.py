@@ -8,6 +8,8 @@ logical axes; first match wins, and a parameter no rule covers is an error.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
 from typing import Any, Iterable, Sequence
 
@@ -40,9 +42,27 @@ def rules_for(sequence_parallel: bool = False) -> tuple[tuple[str, str | None], 
   return tuple((k, "model") if k == "seq" else (k, v) for k, v in RULES)
 
 
-def to_mesh(logical: Logical, rules=RULES) -> P:
-  """('batch', 'seq', 'embed') -> P('data', None, None). Unknown names are an error."""
-  table = dict(rules)
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jaxpar_rules", default=RULES)
+
+
+@contextlib.contextmanager
+def use(rules):
+  """Makes `rules` the table that activation constraints (`constrain`, `is_split`) read while a
+  step is traced: the trainer's choice (e.g. sequence parallel) reaches the model this way."""
+  token = _ACTIVE.set(tuple(rules))
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+def to_mesh(logical: Logical, rules=None) -> P:
+  """('batch', 'seq', 'embed') -> P('data', None, None). Unknown names are an error.
+
+  A mesh axis splits one dimension only: where `seq` and another axis of the same tensor both map
+  to it (sequence parallel, inside attention or at the logits), the other one keeps it.
+  """
+  table = dict(_ACTIVE.get() if rules is None else rules)
   out = []
   for name in logical:
     if name is None:
@@ -51,6 +71,9 @@ def to_mesh(logical: Logical, rules=RULES) -> P:
       out.append(table[name])
     else:
       raise ValueError(f"logical axis {name!r} has no rule (known: {', '.join(table)})")
+  for i, name in enumerate(logical):
+    if name == "seq" and out[i] is not None and sum(a == out[i] for a in out) > 1:
+      out[i] = None
   return P(*out)
 
 
@@ -103,14 +126,14 @@ def param_specs(abstract: Any, logical: Any, mesh, rules=RULES) -> Any:
                                           is_leaf=lambda x: isinstance(x, tuple))
 
 
-def is_split(logical: str, rules=RULES) -> bool:
+def is_split(logical: str, rules=None) -> bool:
   """True when the mesh in context splits the logical axis `logical` over more than one device."""
   mesh = jax.sharding.get_abstract_mesh()
-  axis = dict(rules).get(logical)
+  axis = dict(_ACTIVE.get() if rules is None else rules).get(logical)
   return not mesh.empty and axis in mesh.axis_names and mesh.shape[axis] > 1
 
 
-def constrain(x: jax.Array, logical: Logical, rules=RULES, manual: frozenset = frozenset()) -> jax.Array:
+def constrain(x: jax.Array, logical: Logical, rules=None, manual: frozenset = frozenset()) -> jax.Array:
   """Activation sharding constraint by logical names; mesh axes in `manual` are left out.
 
   Inside a `shard_map` that is manual over some axes, those axes are already split by hand, so

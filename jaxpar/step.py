@@ -40,6 +40,8 @@ class Trainer:
     pc = cfg.parallel
     self.compute_dtype = precision.compute_dtype(cfg.precision)
     self.specs = rules.param_specs(model.abstract, model.logical, mesh)
+    # activations: sequence parallel also splits `seq` over `model` outside attention and MLP
+    self.rules = rules.rules_for(cfg.parallel.sequence_parallel)
     self.layout = zero.layout(model.abstract, self.specs, model.logical, mesh, pc.zero_stage)
     self.tx = optim.make(cfg.train, model.logical)
     self.lr_schedule = optim.schedule(cfg.train)
@@ -186,6 +188,10 @@ class Trainer:
 
   def _sharded(self, local, params, batch, out_specs):
     """`local(params, batch)` inside a shard_map manual over `_manual()` axes (or as it is)."""
+    with rules.use(self.rules):  # the model's activation constraints read the trainer's table
+      return self._sharded_in(local, params, batch, out_specs)
+
+  def _sharded_in(self, local, params, batch, out_specs):
     _, manual = self._manual()
     if not manual:
       return local(params, batch)

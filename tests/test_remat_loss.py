@@ -1,5 +1,6 @@
 """Activation memory features: per-layer remat policies (compiled temp bytes fall in the order
-none > dots_saveable > full, losses unchanged, composed with a ZeRO-3 pipeline) and the
+none > dots_saveable > full, losses unchanged, composed with a ZeRO-3 pipeline), sequence
+parallelism (residuals split along seq over `model`: less activation memory, same losses), and the
 vocab-parallel loss (no collective ever moves a whole batch x seq x vocab buffer)."""
 import re
 
@@ -66,3 +67,22 @@ def test_vocab_parallel_loss_moves_no_full_logits(shape, extra):
   per_replica = B // shape[0] * T * V  # one data shard's logits, whole (ZeRO-3 gathers of the
   assert all(n < per_replica for _, n in found), sorted(found, key=lambda x: -x[1])[:3]  # V x D
   # embedding and head are 4x smaller here)
+
+
+@pytest.mark.parametrize("shape,extra", [((1, 4, 1), []), ((2, 4, 1), ["parallel.zero_stage=3"])],
+                         ids=["1x4x1", "2x4x1-zero3"])
+def test_sequence_parallel_matches_one_device_with_less_activation_memory(shape, extra):
+  cfg = eq.make_cfg("parallel.sequence_parallel=true", *extra)
+  data = eq.batches(cfg, 2)
+  ref, _, ref_grads = eq.train(eq.make_cfg(), (1, 1, 1), data)
+  got, _, grads = eq.train(cfg, shape, data)
+  np.testing.assert_allclose(got, ref, rtol=eq.RTOL)
+  eq.assert_trees_close(grads, ref_grads, "gradient")
+  long = ["model.seq_len=64", *extra]
+  off, on = (eq.trainer(eq.make_cfg(f"parallel.sequence_parallel={sp}", *long), shape)
+             for sp in ("false", "true"))
+  batch = {"tokens": jax.ShapeDtypeStruct((16, 65), jnp.int32)}
+  c_off, c_on = off.lower(batch).compile(), on.lower(batch).compile()
+  assert hlo.memory(c_on)["temp_bytes"] < hlo.memory(c_off)["temp_bytes"]
+  # the residual stream is gathered along seq before each column-parallel matmul
+  assert hlo.collective_bytes(c_on.as_text())["all-gather"] > hlo.collective_bytes(c_off.as_text())["all-gather"]
