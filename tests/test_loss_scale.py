@@ -123,22 +123,24 @@ def test_float16_50_steps_tracks_float32():
 
 def test_loop_counts_overflows_logs_the_scale_and_resumes_it(tmp_path):
   """Through loop.run: overflows do not stop the run, are counted in skipped_steps and logged as
-  loss_scale; the scale is checkpointed, so a resumed run continues it."""
+  loss_scale; the scale is checkpointed, so a resumed run continues it; an overflow with the
+  scale at precision.min_scale stops the run."""
   tiny = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.d_ff=64",
           "model.seq_len=16", "train.batch_size=8", "train.log_every=1", "data.source=synthetic",
           *FP16, "precision.initial_scale=1099511627776"]  # 2**40: overflows every step here
-
-  wd, metrics = tmp_path / "wd", tmp_path / "metrics.jsonl"
-  r = loop.run(config.load(None, tiny), (8, 1, 1), str(wd), str(metrics), steps=2, progress=False,
-               log=lambda *a: None)
+  wd, metrics = str(tmp_path / "wd"), tmp_path / "metrics.jsonl"
+  run = lambda steps, *extra: loop.run(config.load(None, tiny + list(extra)), (8, 1, 1), wd,
+                                       str(metrics), steps=steps, progress=False,
+                                       log=lambda *a: None)
+  r = run(2)
   rows = [json.loads(l) for l in metrics.read_text().splitlines()]
   assert [(row["step"], row["skipped"], row["loss_scale"]) for row in rows[:-1]] == [
       (1, 1, 2.0 ** 40), (2, 1, 2.0 ** 39)]
   assert r.summary["skipped_steps"] == 2 and r.summary["loss_scale"] == 2.0 ** 38
-  from jaxpar import checkpoint  # what a resume reads (loop.run restores with Trainer.restore)
-  with checkpoint.Checkpointer(str(wd / "checkpoints"), keep=1, every=0) as ckpt:
-    state, extra = r.trainer.restore(ckpt, 2)
-  assert float(state["loss_scale"]["scale"]) == 2.0 ** 38 and extra["skipped_steps"] == 2
+  # resumed, step 3 runs at the saved 2**38 (not initial_scale), which is now the floor
+  with pytest.raises(FloatingPointError, match=f"step 3 with the loss scale at its minimum "
+                                               f"{2.0 ** 38}"):
+    run(3, f"precision.min_scale={2.0 ** 38}")
 
 
 def test_checkpoint_without_a_scale_restores_under_dynamic_scaling_and_back(tmp_path):
