@@ -116,6 +116,11 @@ def plan(cfg: Config, mesh_shape: str | Sequence[int],
       "mesh": {"data": d, "model": m, "pipeline": p, "shape": f"{d}x{m}x{p}"},
       "zero_stage": cfg.parallel.zero_stage,
       "offload_optimizer": cfg.parallel.offload_optimizer,
+      # how activations and the loss are handled: the per-layer remat policy, sequence
+      # parallelism (its all-gathers show in `collectives`) and the loss scale at step 0
+      "activations": {"remat": cfg.parallel.remat,
+                      "sequence_parallel": cfg.parallel.sequence_parallel},
+      "loss_scale": _loss_scale(cfg),
       "param_count": sum(math.prod(a.shape) for a in jax.tree_util.tree_leaves(abstract)),
       "bytes_per_device": per_device,
       "unsharded_bytes": unsharded,
@@ -127,6 +132,16 @@ def plan(cfg: Config, mesh_shape: str | Sequence[int],
       "parameters": parameters,
       "config": to_dict(cfg),
   }
+
+
+def _loss_scale(cfg: Config) -> dict:
+  """{'kind': none | static | dynamic, 'scale': the scale the first step runs with, ...}."""
+  pc = cfg.precision
+  if pc.loss_scale == "dynamic":
+    return {"kind": "dynamic", "scale": pc.initial_scale, "growth_interval": pc.growth_interval,
+            "backoff": pc.backoff, "min_scale": pc.min_scale}
+  scale = float(pc.loss_scale)
+  return {"kind": "none" if scale == 1.0 else "static", "scale": scale}
 
 
 def _pipeline(sched) -> dict | None:
@@ -168,6 +183,10 @@ def format_table(report: dict) -> str:
   lines.append(f"{'total':<12}  {_mib(sum(per.values())):>16}  {_mib(sum(full.values())):>16}")
   if report.get("offload_optimizer"):
     lines.append("opt_state lives in host memory (pinned_host), not in device memory")
+  lines.append("")
+  act, ls = report["activations"], report["loss_scale"]
+  lines.append(f"remat {act['remat']}, sequence parallel {'on' if act['sequence_parallel'] else 'off'}, "
+               f"loss scale {ls['kind']}" + (f" (starts at {ls['scale']:g})" if ls["kind"] != "none" else ""))
   lines.append("")
   lines.append("compiled program, per device (XLA memory analysis)")
   for key, value in report["compiled"].items():

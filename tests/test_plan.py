@@ -135,3 +135,15 @@ def test_plan_and_run_report_one_peak_memory(tmp_path):
   assert c["peak_bytes"] > c["temp_bytes"] > 0
   result = loop.run(cfg, (2, 2, 2), str(tmp_path / "wd"), progress=False, log=lambda *a: None)
   assert result.summary["peak_memory_bytes"] == c["peak_bytes"]
+
+
+def test_plan_reports_remat_sequence_parallel_and_loss_scale():
+  cfg = config.load(None, ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.d_ff=64",
+                           "model.seq_len=16", "train.batch_size=8", "parallel.remat=dots_saveable",
+                           "parallel.sequence_parallel=true", "precision.loss_scale=dynamic"])
+  on = plan.plan(cfg, "1x4x1")
+  assert on["activations"] == {"remat": "dots_saveable", "sequence_parallel": True}
+  assert on["loss_scale"]["kind"] == "dynamic" and on["loss_scale"]["scale"] == cfg.precision.initial_scale
+  assert "remat dots_saveable, sequence parallel on, loss scale dynamic" in plan.format_table(on)
+  off = plan.plan(config.override(cfg, parallel={"sequence_parallel": False}), "1x4x1")
+  assert on["collectives"]["all-gather"] > off["collectives"]["all-gather"]  # seq gathered back
