@@ -304,8 +304,11 @@ def _why(row: dict, fit: list[dict], budget: float, i: int) -> str:
   elif row["step_s"] <= fit[0]["step_s"] * 1.0001:
     parts.append("ties the fastest, holds more memory")
   least_sent = min(r["link_bytes"] for r in fit)
+  least_flat = min((r["link_bytes"] for r in fit if not r["bubble"]), default=None)
   if row["link_bytes"] <= least_sent:
     parts.append("least collective bytes" + ("" if least_sent else " (none)"))
+  elif not row["bubble"] and row["link_bytes"] <= least_flat:
+    parts.append("least collective bytes of the layouts without a pipeline bubble")
   elif row["link_bytes"] <= 1.1 * least_sent:
     parts.append("collective bytes within 10% of the least")
   if row["memory_bytes"] <= min(r["memory_bytes"] for r in fit):
@@ -315,7 +318,7 @@ def _why(row: dict, fit: list[dict], budget: float, i: int) -> str:
   if row["bubble"]:
     parts.append(f"bubble {row['bubble']:.0%}")
   share = row["collective_s"] / row["step_s"] if row["step_s"] else 0.0
-  parts.append(f"collectives {share:.0%} of its step")
+  parts.append(f"collectives {100 * share:.2g}% of its step")
   what = "peak" if row["source"] == "compiled" else "model state"
   parts.append(f"fits with ZeRO-{row['zero_stage']} at {_bytes(row['memory_bytes'])} {what} "
                f"of {_bytes(budget)}")
@@ -330,7 +333,7 @@ def _bytes(b: float) -> str:
 
 
 def _ms(s: float) -> str:
-  return f"{s * 1e3:.4g} ms"
+  return f"{s:.4g} s" if s >= 10 else f"{s * 1e3:.4g} ms"
 
 
 # -- the two modes ---------------------------------------------------------------------------------
@@ -350,7 +353,7 @@ def auto(cfg: Config, n: int, r: Rates, budget: float, devices: Sequence[Any] | 
   facts = ModelFacts.of(cfg)
   lays, ruled_out = layouts(cfg, n)
   order = sorted(lays, key=lambda lay: estimate(cfg, lay, facts, r)["step_s"])
-  rows, stopped = [], None
+  rows, failed, stopped = [], [], None
   for k, lay in enumerate(order):
     if max_candidates is not None and k >= max_candidates:
       stopped = f"--max-candidates {max_candidates}"
@@ -361,8 +364,9 @@ def auto(cfg: Config, n: int, r: Rates, budget: float, devices: Sequence[Any] | 
     t1 = time.perf_counter()
     try:
       row = evaluate(cfg, lay, facts, r, devices)
-    except (ConfigError, ValueError) as e:  # a layout XLA or the rules refuse: say so, go on
-      log(f"[{k + 1}/{len(order)}] {lay}: not compiled: {' '.join(str(e).split())}")
+    except Exception as e:  # a layout the rules or XLA refuse is reported; the survey goes on
+      failed.append(f"{lay}: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+      log(f"[{k + 1}/{len(order)}] not compiled: {failed[-1]}")
       continue
     finally:
       jax.clear_caches()  # one compiled program at a time in memory
@@ -371,7 +375,7 @@ def auto(cfg: Config, n: int, r: Rates, budget: float, devices: Sequence[Any] | 
         f"{_ms(row['step_s'])} ({time.perf_counter() - t1:.1f} s to compile)")
   fit, over = rank(rows, budget)
   return {"mode": "auto", "devices": n, "device": dataclasses.asdict(r), "budget_bytes": budget,
-          "layouts": len(lays), "ruled_out": ruled_out, "compiled": len(rows),
+          "layouts": len(lays), "ruled_out": ruled_out, "compiled": len(rows), "failed": failed,
           "stopped_early": stopped, "seconds": time.perf_counter() - t0,
           "ranked": fit, "over_budget": over}
 
@@ -412,10 +416,12 @@ def format_result(res: dict, top: int = 5) -> str:
   if res["mode"] == "auto":
     lines.append(f"compiled {res['compiled']} in {res['seconds']:.0f} s"
                  f"; {len(res['over_budget'])} over the memory budget")
+    lines += [f"  failed to compile: {why}" for why in res.get("failed", [])]
     if res["stopped_early"]:
-      lines.append(f"STOPPED EARLY ({res['stopped_early']}): compiled {res['compiled']} of "
+      tried = res["compiled"] + len(res.get("failed", []))
+      lines.append(f"STOPPED EARLY ({res['stopped_early']}): compiled {tried} of "
                    f"{res['layouts']} layouts, in order of analytic predicted step time; the other "
-                   f"{res['layouts'] - res['compiled']} were predicted slower and are not ranked")
+                   f"{res['layouts'] - tried} were predicted slower and are not ranked")
   else:
     lines.append("analytic: memory is model state only (no activations); nothing compiled; "
                  f"{len(res['over_budget'])} over the memory budget")
