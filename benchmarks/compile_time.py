@@ -61,7 +61,7 @@ def compile_once(cfg: config.Config, mesh_shape: str) -> tuple[float, float, int
   return cpu, wall, hlo.instruction_count(compiled.as_text())
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--depths", type=int, nargs="+", default=[2, 8, 32])
   p.add_argument("--microbatches", type=int, nargs="+", default=[4])
@@ -69,7 +69,11 @@ def main(argv=None) -> int:
   p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
   p.add_argument("--out", default=DEFAULT_OUT, help="JSON results file")
   p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
-  args = p.parse_args(argv)
+  return p
+
+
+def main(argv=None) -> int:
+  args = parser().parse_args(argv)
   jax.config.update("jax_enable_compilation_cache", False)  # every compile is a real one
   rows = []
   for name in args.schedules:
