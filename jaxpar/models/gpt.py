@@ -11,12 +11,14 @@ Letters: B batch, T seq, D embed, H heads, G kv heads, K head dim, F mlp, V voca
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar import zero
 from jaxpar.config import ModelConfig
@@ -87,26 +89,85 @@ def layer_norm(x, scale, bias, eps=1e-5):
   return y.astype(x.dtype)
 
 
+@functools.cache
+def attention_implementation(q_shape: tuple, kv_shape: tuple, dtype: str) -> tuple[str, str]:
+  """(`implementation` for jax.nn.dot_product_attention, why) for q (B, T, H, K), k/v (B, T, G, K).
+
+  'cudnn' (fused flash attention) on a GPU where it traces for these shapes, forward and
+  backward: cuDNN present and recent enough, float16/bfloat16, head dim a multiple of 8 up to the
+  GPU's limit. Else 'xla'. Decided once per shape, at trace time, with jax.eval_shape (nothing
+  is compiled or run); refusals that only a compilation would show are not caught here.
+  """
+  if jax.default_backend() != "gpu":
+    return "xla", f"{jax.default_backend()} backend"
+  if dtype not in ("bfloat16", "float16"):
+    return "xla", f"cuDNN flash attention needs float16 or bfloat16, not {dtype}"
+
+  def loss(q, k, v):
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    return o.astype(jnp.float32).sum()
+  q = jax.ShapeDtypeStruct(q_shape, dtype)
+  kv = jax.ShapeDtypeStruct(kv_shape, dtype)
+  try:
+    jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+  except Exception as e:  # no cuDNN, too old, or this shape unsupported: XLA's is always there
+    return "xla", f"cuDNN refused: {type(e).__name__}: {e}"
+  return "cudnn", "cuDNN flash attention"
+
+
+def _attention_matmuls(q, k, v) -> jax.Array:
+  """Causal attention as batched matmuls over (batch, kv head). q (B, T, H, K), k and v
+  (B, T, G, K) -> (B, T, H, K).
+
+  The R = H/G query heads of one kv head are stacked along the query axis, so a single
+  (R*T, K) x (K, T) matmul per (batch, kv head) serves them all, with heads-first operands XLA
+  need not transpose again. On XLA:CPU its forward and backward ran 1.5-2x faster than
+  jax.nn.dot_product_attention's XLA form at T 128 (~15 vs ~25 ms a layer in the vs_pytorch
+  shape); the sums are the same (masked logits, softmax, probabilities @ v), not the same rounding.
+  """
+  B, T, H, K = q.shape
+  G = k.shape[2]
+  R = H // G
+  q = q.reshape(B, T, G, R, K).transpose(0, 2, 3, 1, 4).reshape(B, G, R * T, K)
+  k = k.transpose(0, 2, 3, 1)  # (B, G, K, T)
+  v = v.transpose(0, 2, 1, 3)  # (B, G, T, K)
+  s = jnp.matmul(q, k) * (1.0 / math.sqrt(K))  # (B, G, R*T, T)
+  causal = jnp.tile(jnp.tril(jnp.ones((T, T), bool)), (R, 1))  # (R*T, T): query t sees keys <= t
+  # a large finite negative, as jax.nn.dot_product_attention masks: exp underflows to exactly 0
+  s = jnp.where(causal, s, -0.7 * jnp.finfo(s.dtype).max)
+  o = jnp.matmul(jax.nn.softmax(s, axis=-1), v)  # (B, G, R*T, K)
+  return o.reshape(B, G, R, T, K).transpose(0, 3, 1, 2, 4).reshape(B, T, H, K)
+
+
 def attention(q, k, v) -> jax.Array:
   """Causal attention. q (B, T, H, K), k and v (B, T, G, K) -> (B, T, H, K) in q's dtype.
 
-  XLA:CPU has no float16 matmul with a float32 accumulator, so there float16 attention runs in
-  float32 and is cast back; elsewhere float16 goes to the fused kernel as it is.
+  On GPU, cuDNN's fused kernel where `attention_implementation` finds it usable, else XLA's. On
+  CPU, `_attention_matmuls`; XLA:CPU has no half-precision matmul with a float32 accumulator, so
+  there float16 and bfloat16 attention runs in float32 and is cast back.
   """
-  if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
+  if jax.default_backend() == "cpu":
     f32 = lambda t: t.astype(jnp.float32)
-    return jax.nn.dot_product_attention(f32(q), f32(k), f32(v), is_causal=True).astype(q.dtype)
-  return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return _attention_matmuls(f32(q), f32(k), f32(v)).astype(q.dtype)
+  impl, _ = attention_implementation(tuple(q.shape), tuple(k.shape), jnp.dtype(q.dtype).name)
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
 
 
-def block(p: dict, x: jax.Array, cfg: ModelConfig, manual=frozenset()) -> jax.Array:
-  """One pre-norm decoder block. p: one layer's weights; x (B, T, D) -> (B, T, D)."""
+# What the backward keeps of a block besides its inputs and attention's own residuals: the
+# residual stream after attention and the MLP's pre-activation. The norms and the GELU are
+# recomputed from them (elementwise work; no matmul runs twice). Left to autodiff, the tanh GELU
+# alone keeps six (B*T, F) intermediates per layer: the 4-layer d_model 256 benchmark step had
+# 403 MB of XLA:CPU temporaries, freshly page-faulted on every step; with this, 183 MB.
+_KEEP = jax.checkpoint_policies.save_only_these_names("mid", "mlp_in")
+_NOTHING = jax.checkpoint_policies.nothing_saveable
+
+
+def _qkv(p: dict, x: jax.Array, cfg: ModelConfig, manual) -> tuple[jax.Array, ...]:
+  """Pre-norm and projections. x (B, T, D) -> q (B, T, H, K), k and v (B, T, G, K)."""
   B, T, D = x.shape
   H, G = cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
   K = D // H
-  dt = x.dtype
-  w = lambda name: p[name].astype(dt)
-
+  w = lambda name: p[name].astype(x.dtype)
   h = layer_norm(x, p["ln1_scale"], p["ln1_bias"]).reshape(B * T, D)  # (B*T, D)
   if is_split("heads"):
     R = H // G  # query heads per kv head
@@ -123,15 +184,35 @@ def block(p: dict, x: jax.Array, cfg: ModelConfig, manual=frozenset()) -> jax.Ar
   q = (q + w("bq")).reshape(B, T, H, K)
   k = k.reshape(B, T, G, K)
   v = (v + w("bv")).reshape(B, T, G, K)
-  q = constrain(q, ("batch", "seq", "heads", "kv"), manual=manual)
-  a = attention(q, k, v)  # (B, T, H, K)
-  a = a.reshape(B * T, H * K) @ w("wo") + w("bo")  # row-parallel: all-reduce over model
-  x = x + constrain(a.reshape(B, T, D), ("batch", "seq", "embed"), manual=manual)
+  return constrain(q, ("batch", "seq", "heads", "kv"), manual=manual), k, v
 
+
+def _out_mlp(p: dict, x: jax.Array, a: jax.Array, manual) -> jax.Array:
+  """Attention's out-projection, residual, pre-norm MLP, residual. x (B, T, D), a (B, T, H, K)."""
+  B, T, D = x.shape
+  w = lambda name: p[name].astype(x.dtype)
+  a = a.reshape(B * T, -1) @ w("wo") + w("bo")  # row-parallel: all-reduce over model
+  x = checkpoint_name(x + constrain(a.reshape(B, T, D), ("batch", "seq", "embed"), manual=manual),
+                      "mid")
   h = layer_norm(x, p["ln2_scale"], p["ln2_bias"]).reshape(B * T, D)
-  h = jax.nn.gelu(h @ w("w1") + w("b1"))  # (B*T, F), column-parallel over mlp
+  h = jax.nn.gelu(checkpoint_name(h @ w("w1") + w("b1"), "mlp_in"))  # (B*T, F), column-parallel
   h = h @ w("w2") + w("b2")  # row-parallel
   return x + constrain(h.reshape(B, T, D), ("batch", "seq", "embed"), manual=manual)
+
+
+def block(p: dict, x: jax.Array, cfg: ModelConfig, manual=frozenset()) -> jax.Array:
+  """One pre-norm decoder block. p: one layer's weights; x (B, T, D) -> (B, T, D).
+
+  The projections before attention and the MLP after it are checkpoints that keep only `_KEEP`'s
+  names; attention, between them, keeps its own residuals, so neither cuDNN's fused kernel nor
+  the softmax runs twice. prevent_cse=False: the block runs inside the layer scan, whose forward
+  and backward are separate loops that XLA cannot merge anyway.
+  """
+  q, k, v = jax.checkpoint(lambda p, x: _qkv(p, x, cfg, manual), policy=_NOTHING,
+                           prevent_cse=False)(p, x)
+  a = attention(q, k, v)  # (B, T, H, K)
+  return jax.checkpoint(lambda p, x, a: _out_mlp(p, x, a, manual), policy=_KEEP,
+                        prevent_cse=False)(p, x, a)
 
 
 def parts(cfg: ModelConfig) -> decoder.Parts:
