@@ -348,8 +348,21 @@ class Trainer:
     keep = None if ok is None else (lambda new, old: optim.keep_unless(ok, new, old))
     params, rest = zero.offloaded_update(self._offload_tx, grads, opt[n:], params,
                                          self.state_shardings["opt"][n:], self.opt_device[n:],
-                                         keep)
+                                         keep, stream=self._stream_layers())
     return params, opt[:n] + rest
+
+  def _stream_layers(self) -> Any:
+    """Per parameter: whether its offloaded moments come to the device one layer at a time (a
+    `layers` stack on axis 0 that no mesh axis of size > 1 splits, so not under a pipeline)."""
+    leaves, tdef = jax.tree_util.tree_flatten(self.model.abstract)
+
+    def one(names, spec):
+      first = tuple(spec)[0] if len(tuple(spec)) else None
+      axes = () if first is None else (first,) if isinstance(first, str) else tuple(first)
+      return (bool(names) and len(names) > 1 and names[0] == "layers"
+              and all(self.mesh.shape[a] == 1 for a in axes))
+    return tdef.unflatten([one(n, s) for n, s in zip(tdef.flatten_up_to(self.model.logical),
+                                                     tdef.flatten_up_to(self.layout.opt))])
 
   def jitted(self, batch_abstract: Any):
     """The step, jitted with the state's shardings (state donated)."""

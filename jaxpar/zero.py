@@ -199,24 +199,27 @@ def check_host_memory(mesh) -> None:
 
 
 def offloaded_update(tx, grads: Any, opt: Any, params: Any, host: Any, device: Any,
-                     keep=None) -> tuple[Any, Any]:
+                     keep=None, stream=None) -> tuple[Any, Any]:
   """(new params, new state) of one step of `tx` with its state `opt` in host memory.
 
   The state moves to the device one parameter's moments at a time: copied in, updated, and
   copied back to host memory before the next parameter's are copied in (optimization barriers
-  order them), so the device holds one leaf's moments instead of the whole state. `tx` must
-  treat leaves independently (Adam, weight decay, schedules: yes; global-norm clipping: apply it
-  to `grads` first). Optimizer leaves not shaped like params (step counts) are scalars and move
+  order them), so the device holds one piece of the state instead of all of it. `tx` must treat
+  leaves independently (Adam, weight decay, schedules: yes; global-norm clipping: apply it to
+  `grads` first). Optimizer leaves not shaped like params (step counts) are scalars and move
   once. `host` / `device`: the state's shardings in each memory. `keep(new, old)`: applied to
   each leaf's state (skipped steps). grads, params and the new params are on the device.
 
-  Leaves move whole, not a layer of a stacked leaf at a time: writing a layer back into a stacked
-  host array is a dynamic-update-slice into a host parameter, which XLA's host offloader rejects
-  (it takes one only into a buffer it allocates itself), while whole arrays streamed in and out
-  are its supported pattern. So the largest leaf sets what the device holds.
+  `stream[i]` true: parameter i is a layer stack (axis 0) that no mesh axis splits, and its
+  moments come in one layer at a time, in a loop over axis 0 that slices the host stack (a
+  host -> device copy of one layer) and writes the result back into it (a dynamic-update-slice
+  into a host buffer the program was given, which XLA's host offloader streams). So the device
+  holds one layer of the largest stacked leaf's moments, not the whole stack. Other leaves move
+  whole.
   """
   p_leaves, p_def = jax.tree_util.tree_flatten(params)
   g_leaves = p_def.flatten_up_to(grads)
+  stream = [False] * len(p_leaves) if stream is None else p_def.flatten_up_to(stream)
   is_ptree = lambda x: jax.tree_util.tree_structure(x) == p_def
   nodes, n_def = jax.tree_util.tree_flatten(opt, is_leaf=is_ptree)
   host_nodes, dev_nodes = n_def.flatten_up_to(host), n_def.flatten_up_to(device)
@@ -231,7 +234,41 @@ def offloaded_update(tx, grads: Any, opt: Any, params: Any, host: Any, device: A
   def view(i, x):
     return p_def.unflatten(empty[:i] + [x] + empty[i + 1:])
 
-  new_params, new_small = list(p_leaves), small
+  def update(i, mine, g, p):
+    """({moment: new value}, new param) of leaf i (or of one layer of it), all on the device."""
+    state = n_def.unflatten([view(i, mine[k]) if k in mine else small[k] for k in range(len(nodes))])
+    upd, new = tx.update(view(i, g), state, view(i, p))
+    if keep is not None:
+      new = keep(new, state)
+    new_nodes = n_def.flatten_up_to(new)
+    return {k: flat(new_nodes, k)[i] for k in moments}, optax.apply_updates(p, p_def.flatten_up_to(upd)[i])
+
+  def layer(s: NamedSharding) -> NamedSharding:  # a stacked leaf's sharding without axis 0
+    return NamedSharding(s.mesh, P(*tuple(s.spec)[1:]), memory_kind=s.memory_kind)
+
+  def one_leaf(i, mine):  # mine: {moment: host array} -> ({moment: new host array}, new param)
+    if not stream[i]:
+      old = {k: jax.device_put(x, flat(dev_nodes, k)[i]) for k, x in mine.items()}
+      new, p = update(i, old, g_leaves[i], p_leaves[i])
+      return {k: jax.device_put(x, flat(host_nodes, k)[i]) for k, x in new.items()}, p
+
+    def body(l, carry):
+      m, p_stack = carry
+      at = lambda x: jax.lax.dynamic_index_in_dim(x, l, keepdims=False)
+      put = lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, l, 0)
+      old = {k: jax.device_put(at(x), layer(flat(dev_nodes, k)[i])) for k, x in m.items()}
+      new, p = update(i, old, at(g_leaves[i]), at(p_stack))
+      m = {k: put(m[k], jax.device_put(x, layer(flat(host_nodes, k)[i]))) for k, x in new.items()}
+      return m, put(p_stack, p)
+    return jax.lax.fori_loop(0, p_leaves[i].shape[0], body, (mine, p_leaves[i]))
+
+  # Every call advances the counts alike; one call on empty leaves gives them.
+  state = n_def.unflatten([p_def.unflatten(empty) if k in moments else small[k]
+                           for k in range(len(nodes))])
+  _, new = tx.update(p_def.unflatten(empty), state, p_def.unflatten(empty))
+  new_small = n_def.flatten_up_to(new if keep is None else keep(new, state))
+
+  new_params = list(p_leaves)
   for i in range(len(p_leaves)):
     mine = [cur[k][i] for k in moments]
     if i:  # leaf i comes in only once leaf i-1 is back on the host and applied
@@ -239,17 +276,9 @@ def offloaded_update(tx, grads: Any, opt: Any, params: Any, host: Any, device: A
           mine + [[cur[k][i - 1] for k in moments], new_params[i - 1]])
       for k, x in zip(moments, back):
         cur[k][i - 1] = x
-    old = {k: jax.device_put(x, flat(dev_nodes, k)[i]) for k, x in zip(moments, mine)}
-    state = n_def.unflatten([view(i, old[k]) if k in old else small[k] for k in range(len(nodes))])
-    upd, new = tx.update(view(i, g_leaves[i]), state, view(i, p_leaves[i]))
-    if keep is not None:
-      new = keep(new, state)
-    new_nodes = n_def.flatten_up_to(new)
-    if new_small is small:  # every call advances the counts alike
-      new_small = {k: new_nodes[k] for k in small}
-    new_params[i] = optax.apply_updates(p_leaves[i], p_def.flatten_up_to(upd)[i])
+    new, new_params[i] = one_leaf(i, dict(zip(moments, mine)))
     for k in moments:
-      cur[k][i] = jax.device_put(flat(new_nodes, k)[i], flat(host_nodes, k)[i])
+      cur[k][i] = new[k]
   new_nodes = [p_def.unflatten(cur[k]) if k in moments
                else jax.device_put(new_small[k], host_nodes[k]) for k in range(len(nodes))]
   return p_def.unflatten(new_params), n_def.unflatten(new_nodes)

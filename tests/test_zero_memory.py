@@ -6,8 +6,10 @@ parameters dominate: 8 layers, d_model 256, d_ff 1024, one 32-token sequence per
 
 Measured here (bytes per device): ZeRO-3 temp 42,839,912 when the backward kept every gathered
 layer, 18,037,856 with re-gathering (arguments 9,683,856 either way). Offload at stage 1: device
-bytes 83,926,896 -> 79,568,248, at stage 3: 27,721,712 -> 23,363,064; the optimizer state is
-6,455,816, of which the largest leaf's moments (2,097,152) are on the device at a time.
+bytes 83,926,648 -> 61,693,312, at stage 3: 27,712,480 -> 21,520,936, a saving of 95.9% of the
+optimizer state (6,455,816); one layer of the largest stacked leaf's moments (262,144) is on the
+device at a time. Moving whole leaves instead saved 67.5%: the stacked w1's moments were a third
+of the state.
 """
 import functools
 import math
@@ -148,7 +150,13 @@ def staged_opt_bytes(t: Trainer, batch_abstract: dict) -> int:
   state = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                  t.abstract_state, t.state_shardings)
   with jax.set_mesh(t.mesh):
-    jaxpr = jax.make_jaxpr(t.step_fn)(state, batch_abstract).jaxpr
+    return staged_peak(jax.make_jaxpr(t.step_fn)(state, batch_abstract).jaxpr)
+
+
+def staged_peak(jaxpr) -> int:
+  """`staged_opt_bytes` of one jaxpr. An equation with inner jaxprs (a scan over layers, a jit)
+  counts as one buffer, live only while it runs, of its inner jaxprs' largest peak: a scan's
+  iterations run one after another, so one iteration's copies are all it holds at once."""
   is_var = lambda v: isinstance(v, jax.extend.core.Var)  # not a literal constant
   maker, anc = {}, []
   for n, e in enumerate(jaxpr.eqns):
@@ -165,8 +173,11 @@ def staged_opt_bytes(t: Trainer, batch_abstract: dict) -> int:
       uses.setdefault(v, []).append(n)
   outputs = set(filter(is_var, jaxpr.outvars))
   in_host = lambda v: getattr(v.aval.memory_space, "name", "") == "Host"
-  buffers = []  # (birth eqn, uses, bytes per device)
+  buffers = []  # (birth eqn, uses, bytes per device, is an output)
   for n, e in enumerate(jaxpr.eqns):
+    inner = [staged_peak(getattr(j, "jaxpr", j)) for j in jax.extend.core.jaxprs_in_params(e.params)]
+    if max(inner, default=0):
+      buffers.append((n, [n], max(inner), False))
     if e.primitive.name != "device_put":
       continue
     for x, y, s in zip(e.invars, e.outvars, e.params["devices"]):
@@ -222,11 +233,16 @@ def device_bytes(*overrides: str) -> tuple[int, dict]:
 
 
 def leaf_moment_bytes(t: Trainer) -> int:
-  """Bytes per device of the largest parameter's Adam moments (mu and nu, as the state shards)."""
+  """Bytes per device of the largest piece of Adam moments (mu and nu, as the state shards) that
+  offload moves at once: one layer of a `layers` stack, or a whole unstacked leaf."""
   opt_sh = jax.tree_util.tree_map(lambda spec: NamedSharding(t.mesh, spec), t.layout.opt,
                                   is_leaf=lambda x: isinstance(x, P))
-  return 2 * max(jax.tree_util.tree_leaves(jax.tree_util.tree_map(
-      lambda a, s: plan.shard_bytes(a.shape, a.dtype, s), t.model.abstract, opt_sh)))
+
+  leaves, tdef = jax.tree_util.tree_flatten(t.model.abstract)
+  pieces = [plan.shard_bytes(a.shape, a.dtype, s) // (a.shape[0] if names[0] == "layers" else 1)
+            for a, s, names in zip(leaves, tdef.flatten_up_to(opt_sh),
+                                   tdef.flatten_up_to(t.model.logical))]
+  return 2 * max(pieces)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -237,12 +253,17 @@ def test_offload_takes_the_optimizer_state_off_the_device(stage):
   plain, plain_mem = device_bytes(base)
   off, off_mem = device_bytes(base, "parallel.offload_optimizer=true")
   assert off_mem["host_args"] == opt and plain_mem["staged"] == 0
-  # One leaf's moments are on the device at a time (the largest: the stacked w1 or w2, a third
-  # of the state here), plus the step counts; moving the whole state at once would stage `opt`.
+  # One piece of the moments is on the device at a time (the largest: one layer of the stacked
+  # w1 or w2), plus the step counts; moving the whole state at once would stage `opt`, moving
+  # whole stacked leaves a third of it.
   largest = leaf_moment_bytes(t)
   assert off_mem["staged"] <= largest + 64, (off_mem["staged"], largest)
-  assert off_mem["temp_bytes"] <= plain_mem["temp_bytes"], (off_mem, plain_mem)
-  assert plain - off >= opt - largest - 64, (plain, off, opt, largest)
+  # no larger temporaries than without offload, give or take the loops' counters and the step
+  # counts' copies (2,112 bytes at stage 3)
+  slack = 4096
+  assert off_mem["temp_bytes"] <= plain_mem["temp_bytes"] + slack, (off_mem, plain_mem)
+  assert plain - off >= opt - largest - 64 - slack, (plain, off, opt, largest)
+  assert plain - off >= 0.8 * opt, (plain, off, opt)  # the issue's bar: >= 80% of the state
 
 
 def test_offload_matches_the_same_run_without():
