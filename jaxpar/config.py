@@ -80,7 +80,7 @@ class ParallelConfig:
   schedule: str = "gpipe"  # gpipe | circular | 1f1b
   virtual_stages: int = 1
   # per-layer activation checkpointing: none | full (save only each layer's input) |
-  # dots_saveable (keep matmul outputs) | offload (keep them in pinned_host); true = full
+  # dots_saveable (keep weight matmuls' outputs) | offload (keep them in pinned_host); true = full
   remat: str = "none"
   # Megatron sequence parallelism: norms and residuals split along `seq` over `model`; the
   # tensor-parallel all-reduces become reduce-scatter + all-gather

@@ -63,8 +63,9 @@ def check(shape: tuple[int, int, int], cfg: Config, n_devices: int) -> None:
       problems.append(f"model.n_layers={mc.n_layers} is not divisible by {stages} pipeline stages")
   elif p > 1:
     problems.append(f"model.kind={mc.kind} has no layers to pipeline, use pipeline=1")
-  if pc.sequence_parallel and p > 1:  # its collectives would sit inside per-stage branches
-    problems.append("parallel.sequence_parallel does not run under a pipeline yet, use pipeline=1")
+  if pc.sequence_parallel and mc.kind in DECODERS and mc.seq_len % m:
+    problems.append(f"model.seq_len={mc.seq_len} is not divisible by model={m}, which sequence "
+                    "parallelism splits it over")
   n_micro = microbatches(cfg, p)
   if p > 1 and (micro // d) % n_micro:
     problems.append(f"per-replica batch {micro // d} is not divisible by "

@@ -1,6 +1,7 @@
 """Activation memory features: per-layer remat policies (compiled temp bytes fall in the order
 none > dots_saveable > full, losses unchanged, composed with a ZeRO-3 pipeline), sequence
-parallelism (residuals split along seq over `model`: less activation memory, same losses), and the
+parallelism (residuals split along seq over `model`: reduce-scatters instead of all-reduces, less
+activation memory, same losses, also under a ZeRO-3 pipeline), and the
 vocab-parallel loss (no collective ever moves a whole batch x seq x vocab buffer)."""
 import re
 
@@ -69,19 +70,31 @@ def test_vocab_parallel_loss_moves_no_full_logits(shape, extra):
   # embedding and head are 4x smaller here)
 
 
-@pytest.mark.parametrize("shape,extra", [((2, 4, 1), ["parallel.zero_stage=3"])], ids=["2x4x1-zero3"])
-def test_sequence_parallel_matches_one_device_with_less_activation_memory(shape, extra):
+@pytest.mark.parametrize("shape,extra", [
+    ((1, 4, 1), []),
+    ((2, 2, 2), ["parallel.zero_stage=3", "parallel.schedule=1f1b"]),
+], ids=["1x4x1-tensor-parallel-vs-1x1x1", "2x2x2-zero3-1f1b-vs-1x1x1"])
+def test_sequence_parallel_matches_one_device(shape, extra):
   cfg = eq.make_cfg("parallel.sequence_parallel=true", *extra)
   data = eq.batches(cfg, 2)
   ref, _, ref_grads = eq.train(eq.make_cfg(), (1, 1, 1), data)
   got, _, grads = eq.train(cfg, shape, data)
   np.testing.assert_allclose(got, ref, rtol=eq.RTOL)
   eq.assert_trees_close(grads, ref_grads, "gradient")
-  long = ["model.seq_len=64", *extra]
-  off, on = (eq.trainer(eq.make_cfg(f"parallel.sequence_parallel={sp}", *long), shape)
+
+
+def test_sequence_parallel_reduce_scatters_instead_of_all_reducing():
+  """On 1x4x1 every layer's all-reduces over `model` (forward and backward) become reduce-scatters
+  and all-gathers along seq; the all-reduces left are the loss's (B, T) reductions and the
+  replicated weights' gradients. The residual stream is a quarter as large, so the step's
+  temporaries shrink."""
+  long = ["model.seq_len=64"]
+  off, on = (eq.trainer(eq.make_cfg(f"parallel.sequence_parallel={sp}", *long), (1, 4, 1))
              for sp in ("false", "true"))
   batch = {"tokens": jax.ShapeDtypeStruct((16, 65), jnp.int32)}
   c_off, c_on = off.lower(batch).compile(), on.lower(batch).compile()
+  b_off, b_on = hlo.collective_bytes(c_off.as_text()), hlo.collective_bytes(c_on.as_text())
+  assert b_off["reduce-scatter"] == 0 and b_on["reduce-scatter"] > 0, (b_off, b_on)
+  assert b_on["all-gather"] > b_off["all-gather"], (b_off, b_on)
+  assert b_on["all-reduce"] < b_off["all-reduce"] / 8, (b_off, b_on)
   assert hlo.memory(c_on)["temp_bytes"] < hlo.memory(c_off)["temp_bytes"]
-  # the residual stream is gathered along seq before each column-parallel matmul
-  assert hlo.collective_bytes(c_on.as_text())["all-gather"] > hlo.collective_bytes(c_off.as_text())["all-gather"]

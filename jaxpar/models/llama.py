@@ -78,18 +78,17 @@ def block(p: dict, x: jax.Array, cfg: ModelConfig, manual=frozenset()) -> jax.Ar
   K = D // H
   w = lambda name: p[name].astype(x.dtype)
 
-  h = rms_norm(x, p["attn_norm"], cfg.norm_eps).reshape(B * T, D)  # (B*T, D)
-  q = rotary((h @ w("wq")).reshape(B, T, H, K), cfg.rope_theta)  # column-parallel over heads
-  k = rotary((h @ w("wk")).reshape(B, T, G, K), cfg.rope_theta)
-  v = (h @ w("wv")).reshape(B, T, G, K)
+  h = rms_norm(x, p["attn_norm"], cfg.norm_eps)  # split along seq under sequence parallel
+  q, k, v = decoder.column_parallel(h, [w("wq"), w("wk"), w("wv")], manual)  # over heads
+  q = rotary(q.reshape(B, T, H, K), cfg.rope_theta)
+  k = rotary(k.reshape(B, T, G, K), cfg.rope_theta)
+  v = v.reshape(B, T, G, K)
   q = constrain(q, ("batch", "seq", "heads", "kv"), manual=manual)
-  a = attention(q, k, v).reshape(B * T, H * K) @ w("wo")  # row-parallel: all-reduce over model
-  x = x + constrain(a.reshape(B, T, D), ("batch", "seq", "embed"), manual=manual)
+  x = x + decoder.row_parallel(attention(q, k, v).reshape(B, T, H * K), w("wo"), manual)
 
-  h = rms_norm(x, p["mlp_norm"], cfg.norm_eps).reshape(B * T, D)
-  h = jax.nn.silu(h @ w("w_gate")) * (h @ w("w_up"))  # (B*T, F), column-parallel over mlp
-  h = h @ w("w_down")  # row-parallel
-  return x + constrain(h.reshape(B, T, D), ("batch", "seq", "embed"), manual=manual)
+  gate, up = decoder.column_parallel(rms_norm(x, p["mlp_norm"], cfg.norm_eps),
+                                    [w("w_gate"), w("w_up")], manual)  # over mlp
+  return x + decoder.row_parallel(jax.nn.silu(gate) * up, w("w_down"), manual)
 
 
 def embed(p: dict, tokens: jax.Array, dtype) -> jax.Array:
@@ -100,10 +99,9 @@ def embed(p: dict, tokens: jax.Array, dtype) -> jax.Array:
 def parts(cfg: ModelConfig) -> decoder.Parts:
   """The Llama's functions for decoder.py's scan, loss and pipeline."""
   def head(p: dict, x: jax.Array) -> jax.Array:  # x (B, T, D) -> logits (B, T, V) float32
-    B, T, D = x.shape
-    h = rms_norm(x, p["norm"], cfg.norm_eps).reshape(B * T, D)
     w = p["wte"].T if cfg.tie_embeddings else p["head"]  # (D, V), vocab-parallel either way
-    return (h @ w.astype(x.dtype)).astype(jnp.float32).reshape(B, T, -1)
+    logits, = decoder.column_parallel(rms_norm(x, p["norm"], cfg.norm_eps), [w.astype(x.dtype)])
+    return logits.astype(jnp.float32)
   return decoder.Parts(embed=embed, block=lambda p, x, manual: block(p, x, cfg, manual), head=head)
 
 
