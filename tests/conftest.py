@@ -1,6 +1,37 @@
-"""8 simulated CPU devices, set before JAX is imported anywhere in the test session."""
-import os
+"""8 simulated CPU devices and fast compilation, set before JAX is imported anywhere in the test
+session, and one persistent compilation cache for the whole session.
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+The cache is shared by this process, the pytest-xdist workers (they inherit the environment the
+controller sets here) and every subprocess a test starts (train.py, launch_local, ...): a program
+that another test compiled already (the one-device reference runs, the default model's step on
+a mesh the docs use) is loaded instead of compiled again. Its key covers the program, the XLA
+flags and the devices, so a hit is the same executable; tests/test_compile_time.py turns it off.
+"""
+import atexit
+import os
+import shutil
+import tempfile
+
+# LLVM at -O0: the suite's programs are small and compiled once or twice each, so compiling them
+# (not running them) is most of its time, and -O0 halves that. XLA's own HLO passes (fusion,
+# sharding, buffer assignment: what the memory and collective tests read) run as at -O2.
+FAST_XLA = "--xla_backend_optimization_level=0"
+
+
+def child_env(*drop: str) -> dict:
+  """The environment for a subprocess that picks its own device count (train.py, export.py, ...):
+  this one's, without its device count and without the variables named in `drop`."""
+  env = {k: v for k, v in os.environ.items() if k not in drop}
+  env["XLA_FLAGS"] = FAST_XLA
+  return env
+
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {FAST_XLA}" +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the controller (or a run without xdist)
+  _cache = tempfile.mkdtemp(prefix="jaxpar-test-cache-")
+  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"

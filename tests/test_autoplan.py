@@ -7,13 +7,14 @@ import sys
 import pytest
 
 from jaxpar import autoplan, config
+from conftest import FAST_XLA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = 1e9
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=f"{FAST_XLA} --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plan.py"), *args],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 

@@ -1,11 +1,11 @@
 """scripts/train.py as a user runs it: one-sentence errors with exit code 2, and a short real run."""
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+from conftest import FAST_XLA, child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.d_ff=64",
@@ -13,7 +13,7 @@ TINY = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.d_ff=6
 
 
 def train(*args, env_extra=None, timeout=300):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = child_env()
   env.update(env_extra or {})
   return subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *args],
                         capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
@@ -49,7 +49,7 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path, args, message):
 
 def test_mesh_larger_than_devices_is_exit_2(tmp_path):
   r = train("--mesh", "2x4x1", "--workdir", str(tmp_path / "wd"),
-            env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+            env_extra={"XLA_FLAGS": f"{FAST_XLA} --xla_force_host_platform_device_count=4"})
   assert r.returncode == 2
   assert "mesh 2x4x1 needs 8 devices, found 4 (data=2, model=4, pipeline=1)" in r.stderr
   assert not (tmp_path / "wd").exists()

@@ -11,6 +11,7 @@ import pytest
 
 from jaxpar import config as jconfig
 from jaxpar import data as jdata
+from conftest import child_env
 
 SPLIT_BYTES = 200_000_000
 MAX_GROWTH_MB = 300  # holding the split would take 200 MB as bytes and 600 MB at its peak
@@ -53,7 +54,7 @@ def large_split(tmp_path_factory):
   from jaxpar import loop
   tmp = tmp_path_factory.mktemp("large")
   src, data_dir = str(tmp / "src"), str(tmp / "tfds")
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = child_env()
   build = subprocess.Popen([sys.executable, __file__, src, data_dir], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env=env)
   try:

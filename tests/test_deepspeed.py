@@ -1,7 +1,6 @@
 """DeepSpeed configs read as jaxpar overrides: the mapping of a seed-style config, contradictions
 as one-sentence errors, warnings for what cannot be honoured, and the README's command."""
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import pytest
 from jaxpar import config
 from jaxpar.config import ConfigError
 from jaxpar.interop import deepspeed
+from conftest import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEED = ROOT / "configs" / "ds_zero3_offload_fp16.json"
@@ -115,7 +115,7 @@ def test_readme_command_runs(tmp_path):
   cmd = "python scripts/train.py --mesh 8x1x1 --deepspeed configs/ds_zero3_offload_fp16.json"
   assert cmd in readme
   assert SEED.read_text().splitlines()[0].startswith(f"// {cmd}")
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env = child_env("JAX_PLATFORMS")
   metrics = tmp_path / "m.jsonl"
   r = subprocess.run([sys.executable, *cmd.split()[1:], "--steps", "2", "--no-progress",
                       "--workdir", str(tmp_path / "wd"), "--metrics-file", str(metrics),

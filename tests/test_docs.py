@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FAST = ["--steps", "4", "--no-progress", "--set", "data.max_bytes=300000"]
@@ -52,7 +53,7 @@ def fast(argv: list[str]) -> list[str]:
 def test_docs_commands_run_in_order(tmp_path):
   for d in ("scripts", "configs"):
     os.symlink(ROOT / d, tmp_path / d)
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env = child_env("JAX_PLATFORMS")
   sequence = [("README.md", c) for c in commands("README.md")] + \
              [("BUILD.md", c) for c in commands("BUILD.md")]
   ran = [c for _, c in sequence]

@@ -1,7 +1,6 @@
 """After training: sampling text (scripts/generate.py), safetensors export (scripts/export.py), and
 reading a checkpoint with plain orbax, without jaxpar."""
 import json
-import os
 import pathlib
 import random
 import subprocess
@@ -11,6 +10,7 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from conftest import child_env
 
 import jaxpar
 from jaxpar import checkpoint, config, generate, loop
@@ -22,7 +22,7 @@ PROMPT = "the quick"
 
 
 def script(name, *args):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # a 1x1x1 mesh: one device
+  env = child_env()  # a 1x1x1 mesh: one device
   return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *map(str, args)],
                         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
 
@@ -149,7 +149,7 @@ print(json.dumps({
 
 def test_plain_orbax_reads_the_checkpoint_without_jaxpar(run, tmp_path):
   (tmp_path / "read.py").write_text(textwrap.dedent(PLAIN_ORBAX))
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+  env = child_env("PYTHONPATH")
   r = subprocess.run([sys.executable, str(tmp_path / "read.py"), str(run["workdir"] / "checkpoints")],
                      capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
   assert r.returncode == 0, r.stderr

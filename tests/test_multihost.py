@@ -40,12 +40,11 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-  """The children's environment: no inherited devices, coordinator or cluster; a shared cache."""
+  """The children's environment: no inherited devices, coordinator or cluster; the session's
+  compilation cache (conftest.py)."""
   e = {k: v for k, v in os.environ.items()
        if not k.startswith(("JAXPAR_", "SLURM_", "OMPI_", "PMI_", "KUBERNETES_"))}
-  e.update({"XLA_FLAGS": FAST_COMPILE, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-            "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"})
+  e.update({"XLA_FLAGS": FAST_COMPILE, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"})
   return e
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from jaxpar import config, plan
 from jaxpar.config import ConfigError
+from conftest import FAST_XLA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=8", "model.d_ff=256",
@@ -79,7 +80,7 @@ def test_more_devices_than_present_is_a_config_error():
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=f"{FAST_XLA} --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plan.py"), *args],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
@@ -147,3 +148,6 @@ def test_plan_reports_remat_sequence_parallel_and_loss_scale():
   assert "remat dots_saveable, sequence parallel on, loss scale dynamic" in plan.format_table(on)
   off = plan.plan(config.override(cfg, parallel={"sequence_parallel": False}), "1x4x1")
   assert on["collectives"]["all-gather"] > off["collectives"]["all-gather"]  # seq gathered back
+  # the row-parallel sums: reduce-scattered along seq instead of all-reduced
+  assert on["collectives"]["reduce-scatter"] > 0 == off["collectives"]["reduce-scatter"]
+  assert on["collectives"]["all-reduce"] < off["collectives"]["all-reduce"]

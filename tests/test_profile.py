@@ -11,6 +11,7 @@ import pytest
 from jaxpar import config, plan, profile
 from jaxpar import mesh as jmesh
 from jaxpar.step import Trainer
+from conftest import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["data.source=synthetic", "model.n_layers=2", "model.d_model=32", "model.n_heads=4",
@@ -19,7 +20,7 @@ TINY = ["data.source=synthetic", "model.n_layers=2", "model.d_model=32", "model.
 
 def train(workdir, *args: str) -> subprocess.CompletedProcess:
   """scripts/train.py for 3 steps on 2x1x1 (two data shards: gradients are all-reduced)."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # train.py sets its own count
+  env = child_env()  # train.py sets its own count
   return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train.py"), "--mesh", "2x1x1",
                          "--steps", "3", "--workdir", str(workdir), "--no-progress",
                          "--metrics-file", str(workdir) + ".jsonl", *args, "--set", *TINY],

@@ -16,9 +16,9 @@ import time
 import jax
 import numpy as np
 import pytest
-from jax.experimental.compilation_cache import compilation_cache as cc
 
 from jaxpar import checkpoint, config, loop
+from conftest import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # warmup 2 and min_lr_ratio 1 make the learning rate independent of train.steps, so a run
@@ -29,24 +29,6 @@ TINY = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.d_ff=6
 # ~3.3M parameters: 40 MB of state with the Adam moments, which takes orbax a few hundred ms to
 # write, so a kill lands inside a save.
 BIG = ["model.n_layers=4", "model.d_model=256", "model.n_heads=4", "model.d_ff=1024"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-  """A persistent compilation cache for this file's runs, in process and in subprocesses.
-
-  Most runs here compile a program an earlier run compiled already (the same init, or the same
-  step on the same mesh); the cache keeps the file's time to about one compile per program.
-  """
-  directory = str(tmp_path_factory.mktemp("jax_cache"))
-  before = jax.config.jax_persistent_cache_min_compile_time_secs
-  cc.set_cache_dir(directory)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-  cc.reset_cache()  # JAX decides once whether to use a cache; make it look again
-  yield directory
-  jax.config.update("jax_compilation_cache_dir", None)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
-  cc.reset_cache()
 
 
 def run(workdir, *overrides, mesh=(8, 1, 1), steps):
@@ -60,7 +42,7 @@ def run(workdir, *overrides, mesh=(8, 1, 1), steps):
 
 def _env():
   # train.py picks the device count for its mesh; conftest's 8 would not fit 1x1x1.
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = child_env()
   env.update(JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   return env

@@ -1,7 +1,6 @@
 """data.source=tfds through the real tfds.data_source path, on `tfds.testing.mock_data` examples."""
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import tensorflow_datasets as tfds
 from jaxpar import config as jconfig
 from jaxpar.config import ConfigError
 from jaxpar.data import make_loader, pack, tfds_source
+from conftest import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY_GPT = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.d_ff=64",
@@ -51,7 +51,7 @@ RUNS = {  # name -> (mock examples per split, train.py arguments)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   """Both 3-step runs on 4x1x1, started together so their start-up and compiles overlap."""
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = child_env()
   started = {}
   for name, (examples, args) in RUNS.items():
     tmp = tmp_path_factory.mktemp(name)
