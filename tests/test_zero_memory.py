@@ -5,8 +5,8 @@ and the state's shardings; only the loss comparisons run steps. The model is one
 parameters dominate: 8 layers, d_model 256, d_ff 1024, one 32-token sequence per device.
 
 Measured here (bytes per device): ZeRO-3 temp 42,839,912 when the backward kept every gathered
-layer, 18,037,856 with re-gathering (arguments 9,683,856 either way). Offload at stage 1: device
-bytes 83,926,648 -> 61,693,312, at stage 3: 27,712,480 -> 21,520,936, a saving of 95.9% of the
+layer, 10,915,272 with re-gathering (arguments 9,683,856 either way). Offload at stage 1: device
+bytes 83,926,648 -> 61,693,312, at stage 3: 20,599,128 -> 14,407,584, a saving of 95.9% of the
 optimizer state (6,455,816); one layer of the largest stacked leaf's moments (262,144) is on the
 device at a time. Moving whole leaves instead saved 67.5%: the stacked w1's moments were a third
 of the state.
