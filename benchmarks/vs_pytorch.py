@@ -273,7 +273,7 @@ def main(argv=None) -> int:
       "backend": jax.default_backend(), "device_kind": device.device_kind,
       "cpu_count": os.cpu_count(),
       "load_average": {"before": load_before, "after": load_after},
-      # glibc's allocator settings change XLA:CPU's per-step cost (BUILD.md, Speed)
+      # glibc's allocator settings change XLA:CPU's per-step cost; recorded with the figures
       "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
       "config": jconfig.to_dict(cfg),
       "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
