@@ -20,7 +20,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar import zero
 from jaxpar.config import ModelConfig
 from jaxpar.models import decoder
 from jaxpar.rules import constrain, is_split
