@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import config as jconfig
+from jaxpar import hostmem
 from jaxpar import mesh as jmesh
 from jaxpar import model as jmodel
 from jaxpar import optim
@@ -275,6 +276,7 @@ def main(argv=None) -> int:
       "load_average": {"before": load_before, "after": load_after},
       # glibc's allocator settings change XLA:CPU's per-step cost; recorded with the figures
       "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+      "host_malloc_kept": hostmem.applied,  # jaxpar.hostmem (both sides share the process)
       "config": jconfig.to_dict(cfg),
       "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
       "tokens_per_step": tokens_per_step,

@@ -3,11 +3,15 @@
 The public surface: `Trainer` (sharded init + compiled step), `from_nnx` / `from_linen` (bring your
 own Flax model), `RULES` (logical axis -> mesh axis), `make_mesh`, and `config.load`.
 """
-from jaxpar import config
-from jaxpar.config import Config, ConfigError
-from jaxpar.model import ModelDef, from_linen, from_nnx
-from jaxpar.rules import RULES
-from jaxpar.step import Trainer
+from jaxpar import hostmem
+
+hostmem.configure()  # before JAX starts its threads; see hostmem.py
+
+from jaxpar import config  # noqa: E402
+from jaxpar.config import Config, ConfigError  # noqa: E402
+from jaxpar.model import ModelDef, from_linen, from_nnx  # noqa: E402
+from jaxpar.rules import RULES  # noqa: E402
+from jaxpar.step import Trainer  # noqa: E402
 
 __version__ = "0.1.0"
 
