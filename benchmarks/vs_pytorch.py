@@ -1,7 +1,8 @@
 """jaxpar's one-device training step against Hugging Face GPT-2 + torch.optim.AdamW (eager).
 
 `python benchmarks/vs_pytorch.py [--steps N] [--warmup N] [--repeats R] [--threads N]
-[--phases] [--set key=value ...] [--out FILE]`. Needs the `benchmark` extra (torch, transformers).
+[--phases] [--torch-in-process] [--set key=value ...] [--out FILE]`. Needs the `benchmark` extra
+(torch, transformers).
 
 Both sides train the same fp32 GPT-2 (4 layers, d_model 256, 4 heads, d_ff 1024, T 128, batch 16,
 vocab 256 by default): jaxpar.Trainer on a 1x1x1 mesh with jaxpar's GPT, and `GPT2LMHeadModel`
@@ -11,6 +12,11 @@ parameters and both see the same batches, so the first-step losses must agree be
 counts. Windows alternate between the sides (who goes first alternates too) so a burst of load
 from other processes hits both; the ratio is of medians over the repeats, with the spread of the
 per-repeat ratios. `--phases` also times forward and forward+backward alone on each side.
+
+Each side runs as its users run it: torch in a process of its own (benchmarks/torch_gpt2.py,
+driven window by window over a pipe, timing itself), jaxpar in this one, with the malloc settings
+`import jaxpar` makes on a CPU-only JAX (jaxpar/hostmem.py). `--torch-in-process` runs torch here
+instead, where it shares those settings.
 The ratio is a measurement: the script exits 0 whatever it is. Writes
 benchmarks/results/vs_pytorch.json by default (git-ignored; committed figures are in
 benchmarks/reference/).
@@ -20,8 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 try:
@@ -41,6 +50,11 @@ from jaxpar import optim
 from jaxpar.data import synthetic_windows
 from jaxpar.step import Trainer
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_gpt2  # noqa: E402  (beside this file; imports neither jax nor jaxpar)
+
+TORCH_SIDE = torch_gpt2.__file__
+
 TARGET = 1.2  # jaxpar / torch tokens/s this benchmark is tuned towards
 LOSS_RTOL = 1e-4  # fp32, two implementations of the same sums
 BASE = ["model.n_layers=4", "model.d_model=256", "model.n_heads=4", "model.d_ff=1024",
@@ -49,126 +63,86 @@ BASE = ["model.n_layers=4", "model.d_model=256", "model.n_heads=4", "model.d_ff=
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "vs_pytorch.json")
 
 
-# -- the torch side ---------------------------------------------------------------------------------
+# -- the two sides -----------------------------------------------------------------------------------
 
-def hf_model(mc, params):
-  """GPT2LMHeadModel of jaxpar's shape holding a copy of jaxpar's parameters `params` (numpy)."""
-  import torch
-  from transformers import GPT2Config, GPT2LMHeadModel
-  if mc.n_kv_heads not in (0, mc.n_heads):
-    raise ValueError("GPT-2 has no grouped-query attention; model.n_kv_heads must be 0")
-  hc = GPT2Config(n_layer=mc.n_layers, n_embd=mc.d_model, n_head=mc.n_heads, n_inner=mc.d_ff,
-                  n_positions=mc.seq_len, vocab_size=mc.vocab_size, attn_pdrop=0.0,
-                  resid_pdrop=0.0, embd_pdrop=0.0, tie_word_embeddings=False,
-                  bos_token_id=0, eos_token_id=0)
-  model = GPT2LMHeadModel(hc)
-  t = lambda a: torch.from_numpy(np.array(a, dtype=np.float32))  # a writable copy
-  lay = params["layers"]
-  # GPT-2's Conv1D stores (in, out) like jaxpar; c_attn is [q | k | v] with a key bias jaxpar
-  # leaves out (zero here, and its gradient is zero).
-  sd = {"transformer.wte.weight": t(params["wte"]), "transformer.wpe.weight": t(params["wpe"]),
-        "transformer.ln_f.weight": t(params["lnf_scale"]),
-        "transformer.ln_f.bias": t(params["lnf_bias"]), "lm_head.weight": t(params["head"].T)}
-  for i in range(mc.n_layers):
-    h = f"transformer.h.{i}."
-    sd |= {h + "ln_1.weight": t(lay["ln1_scale"][i]), h + "ln_1.bias": t(lay["ln1_bias"][i]),
-           h + "attn.c_attn.weight": t(np.concatenate([lay["wq"][i], lay["wk"][i], lay["wv"][i]], 1)),
-           h + "attn.c_attn.bias": t(np.concatenate([lay["bq"][i], np.zeros_like(lay["bq"][i]),
-                                                     lay["bv"][i]])),
-           h + "attn.c_proj.weight": t(lay["wo"][i]), h + "attn.c_proj.bias": t(lay["bo"][i]),
-           h + "ln_2.weight": t(lay["ln2_scale"][i]), h + "ln_2.bias": t(lay["ln2_bias"][i]),
-           h + "mlp.c_fc.weight": t(lay["w1"][i]), h + "mlp.c_fc.bias": t(lay["b1"][i]),
-           h + "mlp.c_proj.weight": t(lay["w2"][i]), h + "mlp.c_proj.bias": t(lay["b2"][i])}
-  missing = set(dict(model.named_parameters())) - set(sd)
-  if missing:
-    raise AssertionError(f"parameters not copied from jaxpar: {sorted(missing)}")
-  model.load_state_dict(sd, strict=False)  # strict=False: attention-mask buffers are not params
-  return model.train()
+class JaxparSide:
+  """jaxpar's compiled step in this process: `steps(n)` -> {'loss', 'wall', 'cpu'}."""
+  name = "jaxpar"
 
-
-class TorchStep:
-  """One eager training step of the HF model: forward, cross-entropy, backward, clip, AdamW."""
-
-  def __init__(self, model, tc, lr_at):
-    import torch
-    self.torch, self.model, self.clip, self.lr_at = torch, model, tc.clip_norm, lr_at
-    # jaxpar's mask: decay on matrices only (no norms, biases); embeddings are matrices too
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.ndim < 2]
-    self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
-                                  {"params": rest, "weight_decay": 0.0}],
-                                 lr=tc.lr, betas=(tc.b1, tc.b2), eps=1e-8)
-    self.count = 0
-
-  def loss(self, tokens):
-    """tokens (B, T+1) int64 tensor -> mean next-token loss (graph kept for backward)."""
-    logits = self.model(input_ids=tokens[:, :-1]).logits  # (B, T, V)
-    return self.torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                  tokens[:, 1:].reshape(-1))
-
-  def __call__(self, tokens):
-    self.opt.zero_grad(set_to_none=True)
-    loss = self.loss(tokens)
-    loss.backward()
-    if self.clip > 0:
-      self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-    for group in self.opt.param_groups:  # optax applies schedule(count) to update `count`
-      group["lr"] = self.lr_at[self.count]
-    self.opt.step()
-    self.count += 1
-    return loss.detach()
-
-
-# -- harness ------------------------------------------------------------------------------------------
-
-class Side:
-  """One framework: `run(batch) -> loss` (state kept inside), its batches, its timings."""
-
-  def __init__(self, name, run, batches, sync):
-    self.name, self.run, self.batches, self.sync = name, run, batches, sync
+  def __init__(self, compiled, state, batches, mesh):
+    self.compiled, self.state, self.batches, self.mesh = compiled, state, batches, mesh
     self.i = 0
-    self.tokens_per_s: list[float] = []
-    self.tokens_per_cpu_s: list[float] = []  # less sensitive than wall time to other processes
 
   def steps(self, n):
-    """Runs n steps; returns the last loss as a float (waits for it)."""
-    out = None
-    for _ in range(n):
-      out = self.run(self.batches[self.i % len(self.batches)])
-      self.i += 1
-    return self.sync(out)
+    t0, c0 = time.perf_counter(), time.process_time()
+    metrics = None
+    with jax.set_mesh(self.mesh):
+      for _ in range(n):
+        self.state, metrics = self.compiled(self.state, self.batches[self.i % len(self.batches)])
+        self.i += 1
+    loss = float(metrics["loss"])  # waits for the last step
+    return {"loss": loss, "wall": time.perf_counter() - t0, "cpu": time.process_time() - c0}
 
 
-def timed(fn, n):
-  """Median wall seconds of `fn()` over n calls after one untimed call."""
-  fn()
-  times = []
-  for _ in range(n):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+class TorchProcess:
+  """The torch side in a process of its own (benchmarks/torch_gpt2.py), as torch users run it:
+  without jaxpar's malloc settings. Same interface as torch_gpt2.Runner."""
+  name = "torch"
+
+  def __init__(self, setup: dict):
+    fd, self.setup_path = tempfile.mkstemp(suffix=".pkl")
+    with os.fdopen(fd, "wb") as f:
+      pickle.dump(setup, f)
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    self.proc = subprocess.Popen([sys.executable, TORCH_SIDE, self.setup_path], env=env,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    self._info = self._ask({"info": 1})  # waits until torch is loaded: nothing overlaps a timing
+
+  def _ask(self, cmd: dict) -> dict:
+    self.proc.stdin.write(json.dumps(cmd) + "\n")
+    self.proc.stdin.flush()
+    line = self.proc.stdout.readline()
+    if not line:
+      raise RuntimeError(f"the torch process exited with {self.proc.wait()}")
+    return json.loads(line)
+
+  def steps(self, n):
+    return self._ask({"steps": n})
+
+  def phases(self, n):
+    return self._ask({"phases": n})
+
+  def info(self):
+    return self._info
+
+  def close(self):
+    if self.proc.poll() is None:
+      self.proc.stdin.write(json.dumps({"quit": 1}) + "\n")
+      self.proc.stdin.flush()
+      self.proc.wait(timeout=60)
+    os.remove(self.setup_path)
 
 
-def phases(trainer, jstate, jbatch, torch_step, tbatch, n):
-  """Median seconds of forward, forward+backward and the whole step, per side."""
-  import torch
-  dtype = trainer.compute_dtype
+class TorchInProcess(torch_gpt2.Runner):
+  """The torch side in this process (--torch-in-process): it shares jaxpar's malloc settings."""
+  name = "torch"
+
+  def phases(self, n):
+    return torch_gpt2.phases(self.step, self.batches[0], n)
+
+  def close(self):
+    pass
+
+
+def jaxpar_phases(trainer, jstate, jbatch, n):
+  """Median seconds of jaxpar's forward and forward+backward alone."""
   params = jax.tree_util.tree_map(jnp.copy, jstate["params"])
-  loss = lambda p, b: trainer.model.loss(p, b, dtype)[0]
+  loss = lambda p, b: trainer.model.loss(p, b, trainer.compute_dtype)[0]
   fwd = jax.jit(loss)
   fwd_bwd = jax.jit(jax.value_and_grad(loss))
-  out = {"jaxpar": {"forward": timed(lambda: fwd(params, jbatch).block_until_ready(), n),
-                    "forward_backward": timed(
-                        lambda: jax.block_until_ready(fwd_bwd(params, jbatch)), n)}}
-
-  def torch_fwd_bwd():
-    torch_step.model.zero_grad(set_to_none=True)
-    torch_step.loss(tbatch).backward()
-  with torch.no_grad():
-    t_fwd = timed(lambda: torch_step.loss(tbatch), n)
-  out["torch"] = {"forward": t_fwd, "forward_backward": timed(torch_fwd_bwd, n)}
-  return out
+  return {"forward": torch_gpt2.timed(lambda: fwd(params, jbatch).block_until_ready(), n),
+          "forward_backward": torch_gpt2.timed(
+              lambda: jax.block_until_ready(fwd_bwd(params, jbatch)), n)}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -180,6 +154,8 @@ def parser() -> argparse.ArgumentParser:
   ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
   ap.add_argument("--phases", action="store_true",
                   help="also time forward and forward+backward alone on each side")
+  ap.add_argument("--torch-in-process", action="store_true",
+                  help="run torch in this process (sharing jaxpar's malloc settings), not its own")
   ap.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[],
                   metavar="KEY=VALUE", help="config overrides passed to jaxpar.config.load")
   ap.add_argument("--out", default=DEFAULT_OUT, help="JSON results file")
@@ -192,8 +168,8 @@ def main(argv=None) -> int:
   if args.steps < 1 or args.repeats < 1 or args.warmup < 0 or args.threads < 1:
     ap.error("--steps, --repeats and --threads must be positive, --warmup not negative")
   try:
-    import torch
-    import transformers
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
   except ImportError as e:
     print(f"error: {e.name} is missing; install the benchmark extra: pip install -e '.[benchmark]'",
           file=sys.stderr)
@@ -207,7 +183,6 @@ def main(argv=None) -> int:
     print("error: the comparison is of the fp32 GPT: model.kind=gpt, "
           "precision.compute_dtype=float32", file=sys.stderr)
     return 2
-  torch.set_num_threads(args.threads)
   device = jax.devices()[0]
   mc, tc = cfg.model, cfg.train
   tokens_per_step = tc.batch_size * mc.seq_len
@@ -217,34 +192,39 @@ def main(argv=None) -> int:
   batch_abstract = {"tokens": jax.ShapeDtypeStruct((tc.batch_size, mc.seq_len + 1), jnp.int32)}
   compiled = trainer.lower(batch_abstract).compile()
   jstate = trainer.init(tc.seed)
-  params_np = jax.tree_util.tree_map(np.asarray, jstate["params"])
-
-  n_steps = 2 + args.repeats * (args.warmup + args.steps)
-  lr_at = [float(v) for v in jax.vmap(optim.schedule(tc))(jnp.arange(n_steps))]
-  torch_step = TorchStep(hf_model(mc, params_np), tc, lr_at)
 
   windows = synthetic_windows(mc.seq_len, tc.seed).astype(np.int64)
   n_batches = min(len(windows) // tc.batch_size, args.warmup + args.steps)
   rows = [windows[i * tc.batch_size:(i + 1) * tc.batch_size] for i in range(n_batches)]
   jsharding = trainer.batch_sharding(batch_abstract)
   jbatches = [jax.device_put({"tokens": r.astype(np.int32)}, jsharding) for r in rows]
-  tbatches = [torch.from_numpy(r) for r in rows]
 
+  n_steps = 2 + args.repeats * (args.warmup + args.steps)
+  setup = {"model": jconfig.to_dict(cfg)["model"], "train": jconfig.to_dict(cfg)["train"],
+           "params": jax.tree_util.tree_map(np.asarray, jstate["params"]), "rows": rows,
+           "lr_at": [float(v) for v in jax.vmap(optim.schedule(tc))(jnp.arange(n_steps))],
+           "threads": args.threads}
+  torch_side = TorchInProcess(setup) if args.torch_in_process else TorchProcess(setup)
+  try:
+    return compare(args, cfg, device, tokens_per_step, trainer, compiled, jstate, jbatches,
+                   torch_side)
+  finally:
+    torch_side.close()
+
+
+def compare(args, cfg, device, tokens_per_step, trainer, compiled, jstate, jbatches,
+            torch_side) -> int:
+  """The timed windows, the loss checks and the JSON."""
   phase_s = None
   if args.phases:  # before training, while both sides still hold the same parameters
-    phase_s = phases(trainer, jstate, jbatches[0], torch_step, tbatches[0], 2 * args.steps)
-
-  state = {"jaxpar": jstate}
-
-  def jaxpar_run(batch):
-    with jax.set_mesh(mesh):
-      state["jaxpar"], metrics = compiled(state["jaxpar"], batch)
-    return metrics["loss"]
-  sides = [Side("jaxpar", jaxpar_run, jbatches, float),
-           Side("torch", torch_step, tbatches, float)]
+    phase_s = {"jaxpar": jaxpar_phases(trainer, jstate, jbatches[0], 2 * args.steps),
+               "torch": torch_side.phases(2 * args.steps)}
+  sides = [JaxparSide(compiled, jstate, jbatches, trainer.mesh), torch_side]
+  wall = {s.name: [] for s in sides}
+  cpu = {s.name: [] for s in sides}
 
   # Same parameters, same batch: the first losses must agree before any timing counts.
-  first = [s.steps(1) for s in sides]
+  first = [s.steps(1)["loss"] for s in sides]
   rel = abs(first[0] - first[1]) / abs(first[1])
   if rel > LOSS_RTOL:
     raise AssertionError(f"first-step losses differ: jaxpar {first[0]!r}, torch {first[1]!r} "
@@ -253,36 +233,31 @@ def main(argv=None) -> int:
   load_before = os.getloadavg()
   for r in range(args.repeats):
     for s in (sides if r % 2 == 0 else sides[::-1]):
-      s.steps(args.warmup)
-      t0, c0 = time.perf_counter(), time.process_time()
-      s.steps(args.steps)
-      wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-      s.tokens_per_s.append(tokens_per_step * args.steps / wall)
-      s.tokens_per_cpu_s.append(tokens_per_step * args.steps / cpu)
+      s.steps(args.warmup) if args.warmup else None
+      t = s.steps(args.steps)
+      wall[s.name].append(tokens_per_step * args.steps / t["wall"])
+      cpu[s.name].append(tokens_per_step * args.steps / t["cpu"])
   load_after = os.getloadavg()
-  last = [s.steps(1) for s in sides]  # same batches in the same order: still close
+  last = [s.steps(1)["loss"] for s in sides]  # same batches in the same order: still close
 
-  med = {s.name: statistics.median(s.tokens_per_s) for s in sides}
-  med_cpu = {s.name: statistics.median(s.tokens_per_cpu_s) for s in sides}
-  per_repeat = [a / b for a, b in zip(sides[0].tokens_per_s, sides[1].tokens_per_s)]
+  med = {k: statistics.median(v) for k, v in wall.items()}
+  med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
+  per_repeat = [a / b for a, b in zip(wall["jaxpar"], wall["torch"])]
   ratio = med["jaxpar"] / med["torch"]
   result = {
-      "jax_version": jax.__version__, "torch_version": torch.__version__,
-      "transformers_version": transformers.__version__,
-      "torch_attention": torch_step.model.config._attn_implementation,
-      "torch_threads": torch.get_num_threads(),
+      "jax_version": jax.__version__, **torch_side.info(),
+      "torch_process": "this" if args.torch_in_process else "its own",
       "backend": jax.default_backend(), "device_kind": device.device_kind,
       "cpu_count": os.cpu_count(),
       "load_average": {"before": load_before, "after": load_after},
       # glibc's allocator settings change XLA:CPU's per-step cost; recorded with the figures
       "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
-      "host_malloc_kept": hostmem.applied,  # jaxpar.hostmem (both sides share the process)
+      "host_malloc_kept": hostmem.applied,  # jaxpar.hostmem, in jaxpar's process
       "config": jconfig.to_dict(cfg),
       "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
       "tokens_per_step": tokens_per_step,
-      "tokens_per_s": {s.name: {"repeats": s.tokens_per_s, "median": med[s.name]} for s in sides},
-      "tokens_per_cpu_s": {s.name: {"repeats": s.tokens_per_cpu_s, "median": med_cpu[s.name]}
-                           for s in sides},
+      "tokens_per_s": {k: {"repeats": v, "median": med[k]} for k, v in wall.items()},
+      "tokens_per_cpu_s": {k: {"repeats": v, "median": med_cpu[k]} for k, v in cpu.items()},
       "ratio": ratio,
       "ratio_per_repeat": per_repeat,
       "ratio_spread": [min(per_repeat), max(per_repeat)],
@@ -301,10 +276,10 @@ def main(argv=None) -> int:
       print(f"{name:>6}: forward {p['forward'] * 1e3:.0f} ms, forward+backward "
             f"{p['forward_backward'] * 1e3:.0f} ms")
   print(f"vs_pytorch: jaxpar {med['jaxpar']:,.0f} tok/s, torch {med['torch']:,.0f} tok/s "
-        f"(medians of {args.repeats}x{args.steps} steps), ratio {ratio:.3f} "
-        f"(per repeat {min(per_repeat):.3f}-{max(per_repeat):.3f}, per CPU-second "
-        f"{result['ratio_cpu']:.3f}; target {TARGET}) load {load_before[0]:.2f}->{load_after[0]:.2f}"
-        f" -> {args.out}")
+        f"(medians of {args.repeats}x{args.steps} steps; torch in {result['torch_process']} "
+        f"process), ratio {ratio:.3f} (per repeat {min(per_repeat):.3f}-{max(per_repeat):.3f}, "
+        f"per CPU-second {result['ratio_cpu']:.3f}; target {TARGET}) "
+        f"load {load_before[0]:.2f}->{load_after[0]:.2f} -> {args.out}")
   return 0
 
 
