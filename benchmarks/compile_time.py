@@ -17,7 +17,6 @@ is the same program at any depth. `--microbatches 4 16` adds rows for the pipeli
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -34,6 +33,8 @@ import jax  # noqa: E402
 from jaxpar import config, hlo, plan  # noqa: E402
 from jaxpar import mesh as jmesh  # noqa: E402
 from jaxpar.step import Trainer  # noqa: E402
+
+import jaxpar_bench  # noqa: E402  (beside this file)
 
 # Untracked, so a run never rewrites the committed figures in benchmarks/reference/.
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "compile_time.json")
@@ -94,9 +95,7 @@ def main(argv=None) -> int:
               f"HLO instructions {row['hlo_instructions']}", flush=True)
   out = {"jax": jax.__version__, "backend": jax.default_backend(), "cpus": os.cpu_count(),
          "overrides": SMALL + args.set, "repeats": args.repeats, "rows": rows}
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(out, f, indent=1)
+  jaxpar_bench.write_json(out, args.out, indent=1)
   print(f"wrote {args.out}")
   return 0
 

@@ -14,7 +14,6 @@ TFDS's random example generator.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -36,6 +35,8 @@ from jaxpar import config as jconfig  # noqa: E402
 from jaxpar import loop  # noqa: E402
 from jaxpar.data import make_loader, tfds_source  # noqa: E402
 from jaxpar.step import Trainer  # noqa: E402
+
+import jaxpar_bench  # noqa: E402  (beside this file)
 
 THRESHOLD = 10.0
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -140,9 +141,7 @@ def main(argv=None) -> int:
   results["load_average_at_end"] = os.getloadavg()[0]
   results["all_meet_target"] = all(results[k]["meets_target"]
                                    for k in ("lm_local_text", "cnn_cifar10_mock"))
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(results, f, indent=2)
+  jaxpar_bench.write_json(results, args.out, indent=2)
   print(f"wrote {args.out}")
   return 0
 

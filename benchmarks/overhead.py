@@ -11,7 +11,6 @@ benchmarks/reference/).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,14 +23,10 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
+import jaxpar_bench  # beside this file
 from jaxpar import config as jconfig
-from jaxpar import mesh as jmesh
-from jaxpar import model as jmodel
-from jaxpar.data import synthetic_windows
-from jaxpar.step import Trainer
 
 THRESHOLD = 0.95
 LOSS_RTOL = 1e-5
@@ -164,22 +159,13 @@ def main(argv=None) -> int:
   tokens_per_step = tc.batch_size * mc.seq_len
 
   # jaxpar: the same path as jaxpar.loop.run, on a 1x1x1 mesh
-  mesh = jmesh.make((1, 1, 1), [device])
-  trainer = Trainer(cfg, mesh, jmodel.gpt(cfg))
-  batch_abstract = {"tokens": jax.ShapeDtypeStruct((tc.batch_size, mc.seq_len + 1), jnp.int32)}
-  compiled = trainer.lower(batch_abstract).compile()
-  jstate = trainer.init(tc.seed)
+  one = jaxpar_bench.one_device(cfg, args.warmup + args.steps, device)
+  mesh, compiled, jstate, rows, jbatches = one.mesh, one.compiled, one.state, one.rows, one.batches
 
   # plain: a copy of jaxpar's initial parameters, since jaxpar's state is donated by its step
   tx, plain_step = plain_step_fn(cfg)
   params = jax.device_put(jax.tree_util.tree_map(jnp.copy, jstate["params"]), device)
   pstate = (params, jax.jit(tx.init)(params))
-
-  windows = synthetic_windows(mc.seq_len, tc.seed).astype(np.int32)
-  n_batches = min(len(windows) // tc.batch_size, args.warmup + args.steps)
-  rows = [windows[i * tc.batch_size:(i + 1) * tc.batch_size] for i in range(n_batches)]
-  jsharding = trainer.batch_sharding(batch_abstract)
-  jbatches = [jax.device_put({"tokens": r}, jsharding) for r in rows]
   pbatches = [jax.device_put(r, device) for r in rows]
 
   if args.hlo:
@@ -242,9 +228,7 @@ def main(argv=None) -> int:
                      "last": {"jaxpar": last[0], "plain": last[1],
                               "relative": abs(last[0] - last[1]) / abs(last[1])}},
   }
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=2)
+  jaxpar_bench.write_json(result, args.out)
   verdict = "PASS" if result["pass"] else "FAIL"
   print(f"overhead: jaxpar {best['jaxpar']:,.0f} tok/s, plain {best['plain']:,.0f} tok/s, "
         f"ratio {ratio:.3f} (median {result['ratio_median']:.3f}, per CPU-second "

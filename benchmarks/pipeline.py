@@ -9,7 +9,6 @@ memory_analysis() and from the executed schedule table; nothing is run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -19,6 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 from jaxpar import config, plan  # noqa: E402
+
+import jaxpar_bench  # noqa: E402  (beside this file)
 
 # Untracked, so a run never rewrites the committed figures in benchmarks/reference/.
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "pipeline.json")
@@ -48,9 +49,7 @@ def main(argv=None) -> int:
             f"{row['bubble_fraction']:.3f}  slots {row['buffer_slots']}", flush=True)
   out = {"jax": jax.__version__, "backend": jax.default_backend(), "mesh": "1x1x4",
          "samples_per_microbatch": 4, "overrides": args.set, "rows": rows}
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(out, f, indent=1)
+  jaxpar_bench.write_json(out, args.out, indent=1)
   print(f"wrote {args.out}")
   return 0
 

@@ -44,13 +44,10 @@ import numpy as np
 
 from jaxpar import config as jconfig
 from jaxpar import hostmem
-from jaxpar import mesh as jmesh
-from jaxpar import model as jmodel
 from jaxpar import optim
-from jaxpar.data import synthetic_windows
-from jaxpar.step import Trainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jaxpar_bench  # noqa: E402  (beside this file)
 import torch_gpt2  # noqa: E402  (beside this file; imports neither jax nor jaxpar)
 
 TORCH_SIDE = torch_gpt2.__file__
@@ -186,18 +183,9 @@ def main(argv=None) -> int:
   device = jax.devices()[0]
   mc, tc = cfg.model, cfg.train
   tokens_per_step = tc.batch_size * mc.seq_len
-
-  mesh = jmesh.make((1, 1, 1), [device])
-  trainer = Trainer(cfg, mesh, jmodel.gpt(cfg))
-  batch_abstract = {"tokens": jax.ShapeDtypeStruct((tc.batch_size, mc.seq_len + 1), jnp.int32)}
-  compiled = trainer.lower(batch_abstract).compile()
-  jstate = trainer.init(tc.seed)
-
-  windows = synthetic_windows(mc.seq_len, tc.seed).astype(np.int64)
-  n_batches = min(len(windows) // tc.batch_size, args.warmup + args.steps)
-  rows = [windows[i * tc.batch_size:(i + 1) * tc.batch_size] for i in range(n_batches)]
-  jsharding = trainer.batch_sharding(batch_abstract)
-  jbatches = [jax.device_put({"tokens": r.astype(np.int32)}, jsharding) for r in rows]
+  one = jaxpar_bench.one_device(cfg, args.warmup + args.steps, device)
+  trainer, compiled, jstate, jbatches = one.trainer, one.compiled, one.state, one.batches
+  rows = [r.astype(np.int64) for r in one.rows]
 
   n_steps = 2 + args.repeats * (args.warmup + args.steps)
   setup = {"model": jconfig.to_dict(cfg)["model"], "train": jconfig.to_dict(cfg)["train"],
@@ -268,9 +256,7 @@ def compare(args, cfg, device, tokens_per_step, trainer, compiled, jstate, jbatc
                      "last": {"jaxpar": last[0], "torch": last[1],
                               "relative": abs(last[0] - last[1]) / abs(last[1])}},
   }
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=2)
+  jaxpar_bench.write_json(result, args.out)
   if phase_s:
     for name, p in phase_s.items():
       print(f"{name:>6}: forward {p['forward'] * 1e3:.0f} ms, forward+backward "
