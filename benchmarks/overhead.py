@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import jaxpar_bench  # beside this file
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the helpers beside this file
+import _jaxpar_bench  # noqa: E402
 from jaxpar import config as jconfig
 
 THRESHOLD = 0.95
@@ -159,7 +160,7 @@ def main(argv=None) -> int:
   tokens_per_step = tc.batch_size * mc.seq_len
 
   # jaxpar: the same path as jaxpar.loop.run, on a 1x1x1 mesh
-  one = jaxpar_bench.one_device(cfg, args.warmup + args.steps, device)
+  one = _jaxpar_bench.one_device(cfg, args.warmup + args.steps, device)
   mesh, compiled, jstate, rows, jbatches = one.mesh, one.compiled, one.state, one.rows, one.batches
 
   # plain: a copy of jaxpar's initial parameters, since jaxpar's state is donated by its step
@@ -228,7 +229,7 @@ def main(argv=None) -> int:
                      "last": {"jaxpar": last[0], "plain": last[1],
                               "relative": abs(last[0] - last[1]) / abs(last[1])}},
   }
-  jaxpar_bench.write_json(result, args.out)
+  _jaxpar_bench.write_json(result, args.out)
   verdict = "PASS" if result["pass"] else "FAIL"
   print(f"overhead: jaxpar {best['jaxpar']:,.0f} tok/s, plain {best['plain']:,.0f} tok/s, "
         f"ratio {ratio:.3f} (median {result['ratio_median']:.3f}, per CPU-second "

@@ -13,7 +13,7 @@ counts. Windows alternate between the sides (who goes first alternates too) so a
 from other processes hits both; the ratio is of medians over the repeats, with the spread of the
 per-repeat ratios. `--phases` also times forward and forward+backward alone on each side.
 
-Each side runs as its users run it: torch in a process of its own (benchmarks/torch_gpt2.py,
+Each side runs as its users run it: torch in a process of its own (benchmarks/_torch_gpt2.py,
 driven window by window over a pipe, timing itself), jaxpar in this one, with the malloc settings
 `import jaxpar` makes on a CPU-only JAX (jaxpar/hostmem.py). `--torch-in-process` runs torch here
 instead, where it shares those settings.
@@ -47,10 +47,10 @@ from jaxpar import hostmem
 from jaxpar import optim
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import jaxpar_bench  # noqa: E402  (beside this file)
-import torch_gpt2  # noqa: E402  (beside this file; imports neither jax nor jaxpar)
+import _jaxpar_bench  # noqa: E402  (beside this file)
+import _torch_gpt2  # noqa: E402  (beside this file; imports neither jax nor jaxpar)
 
-TORCH_SIDE = torch_gpt2.__file__
+TORCH_SIDE = _torch_gpt2.__file__
 
 TARGET = 1.2  # jaxpar / torch tokens/s this benchmark is tuned towards
 LOSS_RTOL = 1e-4  # fp32, two implementations of the same sums
@@ -82,8 +82,8 @@ class JaxparSide:
 
 
 class TorchProcess:
-  """The torch side in a process of its own (benchmarks/torch_gpt2.py), as torch users run it:
-  without jaxpar's malloc settings. Same interface as torch_gpt2.Runner."""
+  """The torch side in a process of its own (benchmarks/_torch_gpt2.py), as torch users run it:
+  without jaxpar's malloc settings. Same interface as _torch_gpt2.Runner."""
   name = "torch"
 
   def __init__(self, setup: dict):
@@ -120,12 +120,12 @@ class TorchProcess:
     os.remove(self.setup_path)
 
 
-class TorchInProcess(torch_gpt2.Runner):
+class TorchInProcess(_torch_gpt2.Runner):
   """The torch side in this process (--torch-in-process): it shares jaxpar's malloc settings."""
   name = "torch"
 
   def phases(self, n):
-    return torch_gpt2.phases(self.step, self.batches[0], n)
+    return _torch_gpt2.phases(self.step, self.batches[0], n)
 
   def close(self):
     pass
@@ -137,8 +137,8 @@ def jaxpar_phases(trainer, jstate, jbatch, n):
   loss = lambda p, b: trainer.model.loss(p, b, trainer.compute_dtype)[0]
   fwd = jax.jit(loss)
   fwd_bwd = jax.jit(jax.value_and_grad(loss))
-  return {"forward": torch_gpt2.timed(lambda: fwd(params, jbatch).block_until_ready(), n),
-          "forward_backward": torch_gpt2.timed(
+  return {"forward": _torch_gpt2.timed(lambda: fwd(params, jbatch).block_until_ready(), n),
+          "forward_backward": _torch_gpt2.timed(
               lambda: jax.block_until_ready(fwd_bwd(params, jbatch)), n)}
 
 
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
   device = jax.devices()[0]
   mc, tc = cfg.model, cfg.train
   tokens_per_step = tc.batch_size * mc.seq_len
-  one = jaxpar_bench.one_device(cfg, args.warmup + args.steps, device)
+  one = _jaxpar_bench.one_device(cfg, args.warmup + args.steps, device)
   trainer, compiled, jstate, jbatches = one.trainer, one.compiled, one.state, one.batches
   rows = [r.astype(np.int64) for r in one.rows]
 
@@ -256,7 +256,7 @@ def compare(args, cfg, device, tokens_per_step, trainer, compiled, jstate, jbatc
                      "last": {"jaxpar": last[0], "torch": last[1],
                               "relative": abs(last[0] - last[1]) / abs(last[1])}},
   }
-  jaxpar_bench.write_json(result, args.out)
+  _jaxpar_bench.write_json(result, args.out)
   if phase_s:
     for name, p in phase_s.items():
       print(f"{name:>6}: forward {p['forward'] * 1e3:.0f} ms, forward+backward "

@@ -2,7 +2,7 @@
 
 Imports neither jax nor jaxpar, so it can run in a process of its own as torch users run it
 (`import jaxpar` changes glibc's malloc settings in its process; see jaxpar/hostmem.py).
-`python benchmarks/torch_gpt2.py SETUP.pkl` serves vs_pytorch.py over stdin/stdout: one JSON
+`python benchmarks/_torch_gpt2.py SETUP.pkl` serves vs_pytorch.py over stdin/stdout: one JSON
 command per line in, one JSON reply per line out.
 """
 from __future__ import annotations
