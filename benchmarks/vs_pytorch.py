@@ -13,10 +13,9 @@ counts. Windows alternate between the sides (who goes first alternates too) so a
 from other processes hits both; the ratio is of medians over the repeats, with the spread of the
 per-repeat ratios. `--phases` also times forward and forward+backward alone on each side.
 
-Each side runs as its users run it: torch in a process of its own (benchmarks/_torch_gpt2.py,
-driven window by window over a pipe, timing itself), jaxpar in this one, with the malloc settings
-`import jaxpar` makes on a CPU-only JAX (jaxpar/hostmem.py). `--torch-in-process` runs torch here
-instead, where it shares those settings.
+Each side has its process: torch in benchmarks/_torch_gpt2.py (driven window by window over a
+pipe, timing itself), jaxpar in this one, so a malloc setting of jaxpar's (JAXPAR_HOST_MALLOC=keep,
+jaxpar/hostmem.py) does not reach torch. `--torch-in-process` runs torch here instead.
 The ratio is a measurement: the script exits 0 whatever it is. Writes
 benchmarks/results/vs_pytorch.json by default (git-ignored; committed figures are in
 benchmarks/reference/).
@@ -82,15 +81,15 @@ class JaxparSide:
 
 
 class TorchProcess:
-  """The torch side in a process of its own (benchmarks/_torch_gpt2.py), as torch users run it:
-  without jaxpar's malloc settings. Same interface as _torch_gpt2.Runner."""
+  """The torch side in a process of its own (benchmarks/_torch_gpt2.py), without jaxpar's malloc
+  setting, as torch users run it. Same interface as _torch_gpt2.Runner."""
   name = "torch"
 
   def __init__(self, setup: dict):
     fd, self.setup_path = tempfile.mkstemp(suffix=".pkl")
     with os.fdopen(fd, "wb") as f:
       pickle.dump(setup, f)
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", hostmem.ENV)}
     self.proc = subprocess.Popen([sys.executable, TORCH_SIDE, self.setup_path], env=env,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     self._info = self._ask({"info": 1})  # waits until torch is loaded: nothing overlaps a timing
@@ -121,7 +120,7 @@ class TorchProcess:
 
 
 class TorchInProcess(_torch_gpt2.Runner):
-  """The torch side in this process (--torch-in-process): it shares jaxpar's malloc settings."""
+  """The torch side in this process (--torch-in-process): it shares jaxpar's malloc setting."""
   name = "torch"
 
   def phases(self, n):

@@ -1,5 +1,5 @@
-"""jaxpar.hostmem: on a CPU-only JAX, `import jaxpar` makes XLA's per-execution temporaries reuse
-freed memory instead of page-faulting a fresh block every step."""
+"""jaxpar.hostmem: with JAXPAR_HOST_MALLOC=keep on a CPU-only JAX, `import jaxpar` makes XLA's
+per-execution temporaries reuse freed memory instead of page-faulting a fresh block every step."""
 import json
 import subprocess
 import sys
@@ -49,22 +49,24 @@ def probe(mode: str, **env) -> dict:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_import_keeps_the_step_temporaries_out_of_the_page_fault_path():
   without = probe("plain")
-  opted_out = probe("jaxpar", JAXPAR_HOST_MALLOC="system")
-  kept = probe("jaxpar")
+  default = probe("jaxpar")  # opt-in: by default jaxpar leaves malloc alone
+  kept = probe("jaxpar", JAXPAR_HOST_MALLOC="keep")
   block_pages = 6144 * 6144 * 4 // 4096
   # Without it every execution faults the 144 MB block in again (4 KB pages, or fewer where the
   # kernel backs it with huge pages); with it, the block freed by one run serves the next.
-  assert not without["applied"] and not opted_out["applied"] and kept["applied"]
-  assert without["faults"] > block_pages / 2 and opted_out["faults"] > block_pages / 2, (
-      without, opted_out)
+  assert not without["applied"] and not default["applied"] and kept["applied"]
+  assert without["faults"] > block_pages / 2 and default["faults"] > block_pages / 2, (
+      without, default)
   assert kept["faults"] < block_pages / 50, kept
 
 
-def test_only_a_cpu_only_jax_is_changed(monkeypatch):
+def test_only_an_opted_in_cpu_only_jax_is_changed(monkeypatch):
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   assert hostmem.cpu_only()
   monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
   assert not hostmem.cpu_only()
+  monkeypatch.setenv(hostmem.ENV, "keep")
+  assert not hostmem.configure()  # a GPU may be used: left alone
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-  monkeypatch.setenv(hostmem.ENV, "system")
-  assert not hostmem.configure()
+  monkeypatch.delenv(hostmem.ENV)
+  assert not hostmem.configure()  # not asked for
