@@ -112,6 +112,7 @@ def phases(step: TorchStep, tokens, n) -> dict:
 
 class Runner:
   """The torch side: its step, its batches (cycled), and `steps(n)` timed in this process."""
+  name = "torch"
 
   def __init__(self, setup: dict):
     import torch
@@ -130,6 +131,12 @@ class Runner:
       self.i += 1
     loss = float(out)
     return {"loss": loss, "wall": time.perf_counter() - t0, "cpu": time.process_time() - c0}
+
+  def phases(self, n: int) -> dict:
+    return phases(self.step, self.batches[0], n)
+
+  def close(self) -> None:
+    pass
 
   def info(self) -> dict:
     import torch
@@ -150,7 +157,7 @@ def serve(setup_path: str) -> int:
     if "steps" in cmd:
       reply = runner.steps(cmd["steps"])
     elif "phases" in cmd:
-      reply = phases(runner.step, runner.batches[0], cmd["phases"])
+      reply = runner.phases(cmd["phases"])
     else:
       reply = runner.info()
     print(json.dumps(reply), flush=True)

@@ -119,17 +119,6 @@ class TorchProcess:
     os.remove(self.setup_path)
 
 
-class TorchInProcess(_torch_gpt2.Runner):
-  """The torch side in this process (--torch-in-process): it shares jaxpar's malloc setting."""
-  name = "torch"
-
-  def phases(self, n):
-    return _torch_gpt2.phases(self.step, self.batches[0], n)
-
-  def close(self):
-    pass
-
-
 def jaxpar_phases(trainer, jstate, jbatch, n):
   """Median seconds of jaxpar's forward and forward+backward alone."""
   params = jax.tree_util.tree_map(jnp.copy, jstate["params"])
@@ -187,11 +176,13 @@ def main(argv=None) -> int:
   rows = [r.astype(np.int64) for r in one.rows]
 
   n_steps = 2 + args.repeats * (args.warmup + args.steps)
-  setup = {"model": jconfig.to_dict(cfg)["model"], "train": jconfig.to_dict(cfg)["train"],
+  cfg_dict = jconfig.to_dict(cfg)
+  setup = {"model": cfg_dict["model"], "train": cfg_dict["train"],
            "params": jax.tree_util.tree_map(np.asarray, jstate["params"]), "rows": rows,
            "lr_at": [float(v) for v in jax.vmap(optim.schedule(tc))(jnp.arange(n_steps))],
            "threads": args.threads}
-  torch_side = TorchInProcess(setup) if args.torch_in_process else TorchProcess(setup)
+  # --torch-in-process: torch here, sharing jaxpar's malloc setting
+  torch_side = _torch_gpt2.Runner(setup) if args.torch_in_process else TorchProcess(setup)
   try:
     return compare(args, cfg, device, tokens_per_step, trainer, compiled, jstate, jbatches,
                    torch_side)
@@ -220,7 +211,8 @@ def compare(args, cfg, device, tokens_per_step, trainer, compiled, jstate, jbatc
   load_before = os.getloadavg()
   for r in range(args.repeats):
     for s in (sides if r % 2 == 0 else sides[::-1]):
-      s.steps(args.warmup) if args.warmup else None
+      if args.warmup:
+        s.steps(args.warmup)
       t = s.steps(args.steps)
       wall[s.name].append(tokens_per_step * args.steps / t["wall"])
       cpu[s.name].append(tokens_per_step * args.steps / t["cpu"])

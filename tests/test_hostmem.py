@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 from conftest import child_env
 
 from jaxpar import hostmem
@@ -46,7 +45,6 @@ def probe(mode: str, **env) -> dict:
   return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_import_keeps_the_step_temporaries_out_of_the_page_fault_path():
   without = probe("plain")
   default = probe("jaxpar")  # opt-in: by default jaxpar leaves malloc alone
