@@ -14,8 +14,8 @@ from other processes hits both; the ratio is of medians over the repeats, with t
 per-repeat ratios. `--phases` also times forward and forward+backward alone on each side.
 
 Each side has its process: torch in benchmarks/_torch_gpt2.py (driven window by window over a
-pipe, timing itself), jaxpar in this one, so a malloc setting of jaxpar's (JAXPAR_HOST_MALLOC=keep,
-jaxpar/hostmem.py) does not reach torch. `--torch-in-process` runs torch here instead.
+pipe, timing itself), jaxpar in this one, so jaxpar's malloc setting for one-device CPU runs
+(jaxpar/hostmem.py; JAXPAR_HOST_MALLOC=off turns it off) does not reach torch. `--torch-in-process` runs torch here instead.
 The ratio is a measurement: the script exits 0 whatever it is. Writes
 benchmarks/results/vs_pytorch.json by default (git-ignored; committed figures are in
 benchmarks/reference/).
@@ -161,6 +161,7 @@ def main(argv=None) -> int:
     return 2
   try:
     cfg = jconfig.load(None, BASE + args.overrides)
+    hostmem.configure(1)  # as train.py on one CPU device, before JAX starts (jaxpar/hostmem.py)
   except jconfig.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

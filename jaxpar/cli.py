@@ -6,6 +6,7 @@ import sys
 import traceback
 
 from jaxpar import config as jconfig
+from jaxpar import hostmem
 from jaxpar import mesh as jmesh
 from jaxpar.config import ConfigError
 from jaxpar.distributed import DistributedError
@@ -20,7 +21,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 
 def setup(args, processes: int = 1) -> tuple[jconfig.Config, tuple[int, int, int]]:
-  """Parses mesh and config, then (before JAX starts) simulates this process's share of devices."""
+  """Parses mesh and config, then (before JAX starts) simulates this process's share of devices
+  and sets the host malloc for that count (jaxpar.hostmem)."""
   shape = jmesh.parse(args.mesh)
   cfg = jconfig.load(args.config, args.set)
   n = shape[0] * shape[1] * shape[2]
@@ -32,6 +34,7 @@ def setup(args, processes: int = 1) -> tuple[jconfig.Config, tuple[int, int, int
     each = f" in each of {processes} processes" if processes > 1 else ""
     print(f"jaxpar: simulating {local} CPU devices{each} for mesh {args.mesh} "
           f"(XLA_FLAGS=--xla_force_host_platform_device_count={local})", file=sys.stderr)
+  hostmem.configure(local)  # one CPU device here: keep XLA's freed temporaries (see hostmem.py)
   return cfg, shape
 
 

@@ -1,5 +1,5 @@
 """Host memory for XLA:CPU on one device: keep freed memory for the next step instead of
-faulting it in again. Opt-in: JAXPAR_HOST_MALLOC=keep.
+faulting it in again.
 
 XLA:CPU allocates a program's temporaries as one block per execution (183 MB for the vs_pytorch
 step) and frees it at the end. glibc serves a block that large from a fresh `mmap` when the
@@ -9,12 +9,18 @@ time per step, a quarter of the step's wall time on the 2-core machine. With eve
 glibc's main arena, no `mmap` for large blocks and no trimming of the heap's top, the block
 freed by one step is the block the next step gets: no faults, same results (534 -> 407 ms a step).
 
-It is not the default because one arena serialises every thread's malloc: with 8 simulated CPU
-devices in one process (the main job's 2x4x1) the step went from 173 to 254 ms, the system time
-from 10 to 53 ms a step. With JAXPAR_HOST_MALLOC=keep, `import jaxpar` applies it when JAX can
-only run on the CPU (no accelerator plugin installed, or JAX_PLATFORMS=cpu) and the C library is
-glibc; it must happen before JAX starts its threads, which is why it happens at import. The
-heap then does not shrink: the process keeps its peak host memory until it exits.
+One arena serialises every thread's malloc, which costs more than it saves when several
+simulated devices run in one process: with the main job's 8 (2x4x1) the step went from 173 to
+254 ms, the system time from 10 to 53 ms a step. Hence the rule, JAXPAR_HOST_MALLOC:
+  unset or "auto"  train.py applies it when this process drives one CPU device (`configure(1)`
+                   from cli.setup, before JAX starts): a one-device run, or each process of a
+                   multi-process CPU run with one device each;
+  "keep"           `import jaxpar` applies it whatever the device count;
+  "off"            never.
+Only where JAX can only run on the CPU (no accelerator plugin installed, or JAX_PLATFORMS=cpu)
+and the C library is glibc. It must happen before JAX starts its backend's threads (set later it
+has no effect), i.e. before the first computation. The heap then does not shrink: the process
+keeps its peak host memory until it exits.
 """
 from __future__ import annotations
 
@@ -22,9 +28,11 @@ import ctypes
 import importlib.metadata
 import importlib.util
 import os
+import re
 import sys
 
-ENV = "JAXPAR_HOST_MALLOC"  # "keep": keep freed memory (one arena, no mmap, no trim)
+ENV = "JAXPAR_HOST_MALLOC"  # "auto" (unset), "keep" or "off"; see above
+MODES = ("auto", "keep", "off")
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 _NEVER_TRIM = 2**31 - 1  # mallopt takes an int
@@ -57,9 +65,29 @@ def keep_freed_memory() -> bool:
   return applied
 
 
-def configure() -> bool:
-  """What `import jaxpar` runs: keep_freed_memory() where JAXPAR_HOST_MALLOC=keep asks for it and
-  JAX can only run on the CPU."""
-  if os.environ.get(ENV, "").strip().lower() != "keep" or not cpu_only():
+def mode() -> str:
+  """JAXPAR_HOST_MALLOC: "auto" when unset; a value not in MODES is returned as it is."""
+  return os.environ.get(ENV, "").strip().lower() or "auto"
+
+
+def cpu_devices_requested() -> int:
+  """The CPU device count XLA_FLAGS asks for (--xla_force_host_platform_device_count), else 1."""
+  m = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+  return int(m.group(1)) if m else 1
+
+
+def configure(local_devices: int | None = None) -> bool:
+  """Applies keep_freed_memory() where JAXPAR_HOST_MALLOC's rule says so (see above); True if it
+  did. `import jaxpar` calls it without `local_devices` ("keep" only); train.py with the number
+  of devices this process drives, before JAX starts."""
+  want = mode()
+  if want not in MODES:
+    if local_devices is None:  # at import: train.py's setup reports it
+      return False
+    from jaxpar.config import ConfigError
+    raise ConfigError(f"{ENV}={os.environ[ENV]!r} is not one of {', '.join(MODES)}")
+  if want == "off" or not cpu_only():
     return False
-  return keep_freed_memory()
+  if want == "auto" and not (local_devices == 1 and cpu_devices_requested() == 1):
+    return False
+  return applied or keep_freed_memory()
