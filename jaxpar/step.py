@@ -299,7 +299,7 @@ class Trainer:
     loss, aux, grads = self._grads(state["params"], batch, None if dyn is None else dyn["scale"])
     grads = jax.lax.with_sharding_constraint(grads, zero.named(self.mesh, self.layout.grads))
     opt = state["opt"]
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     # an overflow under dynamic scaling is skipped like train.skip_nonfinite's non-finite steps
     skips = self.cfg.train.skip_nonfinite or dyn is not None
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) if skips else None

@@ -50,7 +50,7 @@ def test_indivisible_dimension_is_an_error():
 
   class M(nnx.Module):
     def __init__(self, rngs):
-      self.w = nnx.Param(nnx.initializers.zeros(rngs.params(), (8, 6)), sharding_names=("embed", "mlp"))
+      self.w = nnx.Param(nnx.initializers.zeros(rngs.params(), (8, 6)), out_sharding=("embed", "mlp"))
 
     def __call__(self, x):
       return x @ self.w

@@ -36,7 +36,7 @@ class Layers(nnx.Module):
     proj_std = 0.02 / math.sqrt(2 * L)  # GPT-2: residual projections scaled by depth
 
     def param(shape, axes, init):
-      return nnx.Param(init(rngs.params(), shape, dtype), sharding_names=axes)
+      return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes)
     ones, zeros = nnx.initializers.ones, nnx.initializers.zeros
     self.ln1_scale = param((L, D), ("layers", "embed"), ones)
     self.ln1_bias = param((L, D), ("layers", "embed"), zeros)
@@ -64,14 +64,14 @@ class GPT(nnx.Module):
     self.cfg = cfg
     V, T, D = cfg.vocab_size, cfg.seq_len, cfg.d_model
     normal = nnx.initializers.normal(0.02)
-    self.wte = nnx.Param(normal(rngs.params(), (V, D), param_dtype), sharding_names=("vocab", "embed"))
+    self.wte = nnx.Param(normal(rngs.params(), (V, D), param_dtype), out_sharding=("vocab", "embed"))
     T = cfg.max_positions or T  # the position table may be longer than the training window
-    self.wpe = nnx.Param(normal(rngs.params(), (T, D), param_dtype), sharding_names=(None, "embed"))
+    self.wpe = nnx.Param(normal(rngs.params(), (T, D), param_dtype), out_sharding=(None, "embed"))
     self.layers = Layers(cfg, rngs, param_dtype)
-    self.lnf_scale = nnx.Param(jnp.ones((D,), param_dtype), sharding_names=("embed",))
-    self.lnf_bias = nnx.Param(jnp.zeros((D,), param_dtype), sharding_names=("embed",))
+    self.lnf_scale = nnx.Param(jnp.ones((D,), param_dtype), out_sharding=("embed",))
+    self.lnf_bias = nnx.Param(jnp.zeros((D,), param_dtype), out_sharding=("embed",))
     if not cfg.tie_embeddings:
-      self.head = nnx.Param(normal(rngs.params(), (D, V), param_dtype), sharding_names=("embed", "vocab"))
+      self.head = nnx.Param(normal(rngs.params(), (D, V), param_dtype), out_sharding=("embed", "vocab"))
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """tokens (B, T) int -> logits (B, T, V) float32."""

@@ -28,7 +28,7 @@ class Layers(nnx.Module):
     normal, ones = nnx.initializers.normal(0.02), nnx.initializers.ones
 
     def param(shape, axes, init):
-      return nnx.Param(init(rngs.params(), shape, dtype), sharding_names=axes)
+      return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes)
     self.attn_norm = param((L, D), ("layers", "embed"), ones)
     self.wq = param((L, D, H * K), ("layers", "embed", "heads"), normal)
     self.wk = param((L, D, G * K), ("layers", "embed", "heads"), normal)
@@ -47,11 +47,11 @@ class Llama(nnx.Module):
     self.cfg = cfg
     V, D = cfg.vocab_size, cfg.d_model
     normal = nnx.initializers.normal(0.02)
-    self.wte = nnx.Param(normal(rngs.params(), (V, D), param_dtype), sharding_names=("vocab", "embed"))
+    self.wte = nnx.Param(normal(rngs.params(), (V, D), param_dtype), out_sharding=("vocab", "embed"))
     self.layers = Layers(cfg, rngs, param_dtype)
-    self.norm = nnx.Param(jnp.ones((D,), param_dtype), sharding_names=("embed",))
+    self.norm = nnx.Param(jnp.ones((D,), param_dtype), out_sharding=("embed",))
     if not cfg.tie_embeddings:
-      self.head = nnx.Param(normal(rngs.params(), (D, V), param_dtype), sharding_names=("embed", "vocab"))
+      self.head = nnx.Param(normal(rngs.params(), (D, V), param_dtype), out_sharding=("embed", "vocab"))
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
