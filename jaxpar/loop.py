@@ -222,6 +222,7 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
   pending: list[tuple[int, dict]] = []  # device metrics not yet fetched
   interval_t, interval_steps = time.perf_counter(), 0
   timed_s, timed_steps = 0.0, 0
+  warm_s, warm_steps = 0.0, 0  # a fresh run's first interval: the rate's fallback (see below)
   step = start
   stopped = None
   eval_step = None
@@ -240,7 +241,7 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
 
   def flush(now_step: int, extra: dict | None = None) -> None:
     """Fetches pending metrics (one host sync), checks them, logs the newest."""
-    nonlocal interval_t, interval_steps, timed_s, timed_steps
+    nonlocal interval_t, interval_steps, timed_s, timed_steps, warm_s, warm_steps
     fetched = jax.device_get([m for _, m in pending])
     for (s, _), m in zip(pending, fetched):
       losses[s] = float(m["loss"])
@@ -259,6 +260,8 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
     step_time = elapsed / max(interval_steps, 1)
     if start > 0 or now_step > interval_steps:  # the first interval includes warm-up
       timed_s, timed_steps = timed_s + elapsed, timed_steps + interval_steps
+    else:
+      warm_s, warm_steps = elapsed, interval_steps
     m = {k: float(v) for k, v in fetched[-1].items()}
     row = {"loss": m.pop("loss"), "learning_rate": m.pop("learning_rate"),
            "grad_norm": m.pop("grad_norm"), "step_time_s": step_time,
@@ -321,10 +324,15 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
 
   if stopped:
     _say_stopped(stopped, stop.requested, step, log if is_main else None)
-  eps = cfg.train.batch_size * timed_steps / timed_s if timed_s else 0.0
+  # A run no longer than its first log interval has no steady-state interval: its rate is then
+  # over every step, the first one's warm-up included, and the summary says so.
+  with_warmup = not timed_s and warm_s > 0
+  secs, n = (warm_s, warm_steps) if with_warmup else (timed_s, timed_steps)
+  eps = cfg.train.batch_size * n / secs if secs else 0.0
   measured = jmetrics.device_peak_memory_bytes()  # the allocator's own peak, where kept (GPU)
   profiled = window.summary(compiled, trainer) if window else {}
   summary = {**profiled, "steps": step, "steps_this_run": step - start, "examples_per_sec": eps,
+             **({"rate_includes_warmup": True} if with_warmup else {}),
              **({"tokens_per_sec": eps * tokens_per_step / cfg.train.batch_size}
                 if tokens_per_step else {}),
              "mfu": flops_per_step * eps / cfg.train.batch_size / (peak * n_dev),

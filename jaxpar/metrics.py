@@ -172,7 +172,9 @@ def format_summary(summary: dict[str, Any]) -> str:
   if s.get("steps") is not None:
     lines.append(f"steps: {s['steps']}")
   if s.get("tokens_per_sec") is not None:
-    lines.append(f"tokens/s: {s['tokens_per_sec']:,.0f}")
+    lines.append(f"tokens/s: {s['tokens_per_sec']:,.0f}" + (
+        " (every step timed, the first one's warm-up included: a run longer than train.log_every "
+        "steps times the steady state)" if s.get("rate_includes_warmup") else ""))
   if s.get("mfu") is not None:
     line = f"MFU: {100 * s['mfu']:.2f}%"
     if s.get("peak_flops_per_device") is not None:
@@ -188,7 +190,7 @@ def format_summary(summary: dict[str, Any]) -> str:
   if s.get("profile"):
     lines.append(_profile_line(s["profile"]))
   known = {"steps", "tokens_per_sec", "mfu", "peak_flops_per_device", "peak_flops_source",
-           "peak_memory_bytes", "final", "profile"}
+           "peak_memory_bytes", "final", "profile", "rate_includes_warmup"}
   for k, v in s.items():
     if k not in known:
       lines.append(f"{k}: {v:.6g}" if isinstance(v, float) else f"{k}: {v}")

@@ -69,5 +69,18 @@ def test_short_run_writes_metrics_tensorboard_and_checkpoint(tmp_path):
       assert isinstance(row[key], (int, float)), key
   final = rows[-1]
   assert final["final"] is True and final["steps"] == 6 and final["tokens_per_sec"] > 0
+  assert "rate_includes_warmup" not in final  # steps 3-6 were timed, the warm-up's 1-2 not
   assert list((wd / "tb").iterdir())
   assert (wd / "checkpoints").exists()
+
+
+def test_a_run_within_its_first_log_interval_still_reports_its_rate(tmp_path):
+  # Two steps with train.log_every=2: no interval after the warm-up one. The rate is then over
+  # both steps, said so, rather than 0 tokens/s and 0% MFU.
+  mf = tmp_path / "metrics.jsonl"
+  r = train("--workdir", str(tmp_path / "wd"), "--metrics-file", str(mf), "--steps", "2",
+            "--no-progress", "--set", "data.source=synthetic", *TINY)
+  assert r.returncode == 0, r.stderr
+  final = json.loads(mf.read_text().splitlines()[-1])
+  assert final["tokens_per_sec"] > 0 and final["mfu"] > 0 and final["rate_includes_warmup"] is True
+  assert "the first one's warm-up included" in r.stdout, r.stdout
