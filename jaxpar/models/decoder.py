@@ -1,4 +1,5 @@
-"""What jaxpar's decoders share: the layer scan, the forward, the loss and the pipeline form.
+"""What jaxpar's decoders share: the layer scan, the forward, the loss, the pipeline form and the
+way their stacked parameters are made.
 
 A decoder (gpt.py, llama.py) supplies three pure functions over its parameter tree: `embed`
 (tokens -> activations), `block` (one layer) and `head` (final norm + logits). Everything that
@@ -15,6 +16,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import zero
@@ -178,6 +180,22 @@ def _row_sp_bwd(manual, res, dy):
 
 
 _row_sp.defvjp(_row_sp_fwd, _row_sp_bwd)
+
+
+# -- what both decoders' parameter stacks are built from ------------------------------------------
+
+def sizes(cfg) -> tuple[int, int, int, int, int, int]:
+  """A ModelConfig's (L, D, F, H, G, K): layers, embed, mlp, heads, kv heads, head dim."""
+  H = cfg.n_heads
+  return cfg.n_layers, cfg.d_model, cfg.d_ff, H, cfg.n_kv_heads or H, cfg.d_model // H
+
+
+def param_maker(rngs, dtype) -> Callable:
+  """param(shape, logical axes, init) -> an nnx.Param drawn from `rngs` in call order, its axes
+  kept as the variable's sharding metadata (what jaxpar's partition rules read)."""
+  def param(shape, axes, init):
+    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes)
+  return param
 
 
 def split(params: dict, dims: Any) -> tuple[dict, Any, Any]:

@@ -29,14 +29,10 @@ class Layers(nnx.Module):
   """The L decoder blocks' weights, stacked on a leading `layers` axis."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype):
-    L, D, F = cfg.n_layers, cfg.d_model, cfg.d_ff
-    H, G = cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
-    K = D // H
+    L, D, F, H, G, K = decoder.sizes(cfg)
+    param = decoder.param_maker(rngs, dtype)
     normal = lambda std: nnx.initializers.normal(std)
     proj_std = 0.02 / math.sqrt(2 * L)  # GPT-2: residual projections scaled by depth
-
-    def param(shape, axes, init):
-      return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes)
     ones, zeros = nnx.initializers.ones, nnx.initializers.zeros
     self.ln1_scale = param((L, D), ("layers", "embed"), ones)
     self.ln1_bias = param((L, D), ("layers", "embed"), zeros)

@@ -22,13 +22,9 @@ class Layers(nnx.Module):
   """The L decoder blocks' weights, stacked on a leading `layers` axis."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, dtype):
-    L, D, F = cfg.n_layers, cfg.d_model, cfg.d_ff
-    H, G = cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
-    K = D // H
+    L, D, F, H, G, K = decoder.sizes(cfg)
+    param = decoder.param_maker(rngs, dtype)
     normal, ones = nnx.initializers.normal(0.02), nnx.initializers.ones
-
-    def param(shape, axes, init):
-      return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes)
     self.attn_norm = param((L, D), ("layers", "embed"), ones)
     self.wq = param((L, D, H * K), ("layers", "embed", "heads"), normal)
     self.wk = param((L, D, G * K), ("layers", "embed", "heads"), normal)
