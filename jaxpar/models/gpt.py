@@ -59,15 +59,15 @@ class GPT(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
     self.cfg = cfg
     V, T, D = cfg.vocab_size, cfg.seq_len, cfg.d_model
-    normal = nnx.initializers.normal(0.02)
-    self.wte = nnx.Param(normal(rngs.params(), (V, D), param_dtype), out_sharding=("vocab", "embed"))
+    param, normal = decoder.param_maker(rngs, param_dtype), nnx.initializers.normal(0.02)
+    self.wte = param((V, D), ("vocab", "embed"), normal)
     T = cfg.max_positions or T  # the position table may be longer than the training window
-    self.wpe = nnx.Param(normal(rngs.params(), (T, D), param_dtype), out_sharding=(None, "embed"))
+    self.wpe = param((T, D), (None, "embed"), normal)
     self.layers = Layers(cfg, rngs, param_dtype)
     self.lnf_scale = nnx.Param(jnp.ones((D,), param_dtype), out_sharding=("embed",))
     self.lnf_bias = nnx.Param(jnp.zeros((D,), param_dtype), out_sharding=("embed",))
     if not cfg.tie_embeddings:
-      self.head = nnx.Param(normal(rngs.params(), (D, V), param_dtype), out_sharding=("embed", "vocab"))
+      self.head = param((D, V), ("embed", "vocab"), normal)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """tokens (B, T) int -> logits (B, T, V) float32."""

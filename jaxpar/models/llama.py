@@ -42,12 +42,12 @@ class Llama(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
     self.cfg = cfg
     V, D = cfg.vocab_size, cfg.d_model
-    normal = nnx.initializers.normal(0.02)
-    self.wte = nnx.Param(normal(rngs.params(), (V, D), param_dtype), out_sharding=("vocab", "embed"))
+    param, normal = decoder.param_maker(rngs, param_dtype), nnx.initializers.normal(0.02)
+    self.wte = param((V, D), ("vocab", "embed"), normal)
     self.layers = Layers(cfg, rngs, param_dtype)
     self.norm = nnx.Param(jnp.ones((D,), param_dtype), out_sharding=("embed",))
     if not cfg.tie_embeddings:
-      self.head = nnx.Param(normal(rngs.params(), (D, V), param_dtype), out_sharding=("embed", "vocab"))
+      self.head = param((D, V), ("embed", "vocab"), normal)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
