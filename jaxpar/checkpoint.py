@@ -217,8 +217,9 @@ def read_state(directory: str, step: int | None = None) -> dict:
   """
   path = os.path.join(_step_dir(directory, step), STATE)
   with ocp.PyTreeCheckpointer() as ckptr:
-    restore_args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
-                                          _tree(ckptr.metadata(path)))
+    with _quiet():
+      meta = _tree(ckptr.metadata(path))
+    restore_args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
     return ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
 
 
@@ -228,7 +229,7 @@ def _state_reader() -> ocp.PyTreeCheckpointer:
 
 def stored_params(directory: str, step: int) -> dict[str, Any]:
   """'a/b' -> orbax's metadata (shape, dtype) of every stored parameter; nothing is read."""
-  with _state_reader() as reader:
+  with _state_reader() as reader, _quiet():
     tree = _tree(reader.metadata(os.path.join(_step_dir(directory, step), STATE)))
   return _leaves(tree["params"])
 

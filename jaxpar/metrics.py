@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -213,6 +214,13 @@ def _profile_line(p: dict[str, Any]) -> str:
           f"{ms('other_s')}; {how}")
 
 
+def _missing(package: str, consequence: str) -> None:
+  """One line on stderr for an optional helper that is not installed (a bare accelerator image:
+  `pip install -e .` installs it); the run goes on without it."""
+  print(f"note: {package} is not installed, so {consequence} (pip install {package})",
+        file=sys.stderr)
+
+
 class MetricsLogger:
   """Writes metrics as JSON lines, TensorBoard scalars and a tqdm progress bar.
 
@@ -248,13 +256,23 @@ class MetricsLogger:
 
   def _tensorboard(self):
     if self._writer is None and self.use_tensorboard:
-      from tensorboardX import SummaryWriter  # imported late: only the main process needs it
+      try:  # imported late: only the main process needs it
+        from tensorboardX import SummaryWriter
+      except ImportError:
+        self.use_tensorboard = False
+        _missing("tensorboardX", "no TensorBoard events are written")
+        return None
       self._writer = SummaryWriter(logdir=os.path.join(self.workdir, "tb"))
     return self._writer
 
   def _progress_bar(self, step: int):
     if self._bar is None and self.progress:
-      from tqdm.auto import tqdm
+      try:
+        from tqdm.auto import tqdm
+      except ImportError:
+        self.progress = False
+        _missing("tqdm", "no progress bar is shown")
+        return None
 
       class Bar(tqdm):
         """A tqdm whose step/s and time left come from the loop's measured step time."""

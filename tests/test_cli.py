@@ -84,3 +84,23 @@ def test_a_run_within_its_first_log_interval_still_reports_its_rate(tmp_path):
   final = json.loads(mf.read_text().splitlines()[-1])
   assert final["tokens_per_sec"] > 0 and final["mfu"] > 0 and final["rate_includes_warmup"] is True
   assert "the first one's warm-up included" in r.stdout, r.stdout
+
+
+# What a bare accelerator image lacks (jax, flax, optax and orbax preinstalled, nothing else):
+# a run on synthetic data must not need any of it.
+BARE_IMAGE_LACKS = ("tensorflow_datasets", "grain", "array_record", "tensorboardX", "tqdm")
+
+
+def test_a_synthetic_run_needs_none_of_the_optional_packages(tmp_path):
+  mf = tmp_path / "metrics.jsonl"
+  code = (f"import sys, runpy\nfor name in {BARE_IMAGE_LACKS!r}: sys.modules[name] = None\n"
+          f"sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')")
+  r = subprocess.run([sys.executable, "-c", code, str(ROOT / "scripts" / "train.py"),
+                      "--workdir", str(tmp_path / "wd"), "--metrics-file", str(mf), "--steps", "2",
+                      "--set", "data.source=synthetic", *TINY],
+                     capture_output=True, text=True, timeout=300, env=child_env(), cwd=ROOT)
+  assert r.returncode == 0, r.stderr
+  assert "note: tensorboardX is not installed, so no TensorBoard events are written" in r.stderr
+  assert "note: tqdm is not installed, so no progress bar is shown" in r.stderr
+  assert json.loads(mf.read_text().splitlines()[-1])["final"] is True
+  assert not (tmp_path / "wd" / "tb").exists()

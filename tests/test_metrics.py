@@ -109,3 +109,18 @@ def test_progress_rate_after_resume_ignores_earlier_steps():
   logger.log(510, {"loss": 3.0})  # resumed at 500: the first 500 steps ran in another process
   assert "?step/s" in str(logger._bar), str(logger._bar)
   logger.close()
+
+
+def test_missing_tensorboardx_and_tqdm_each_leave_one_note(tmp_path, monkeypatch, capsys):
+  monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import raises ImportError
+  monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+  path = tmp_path / "m.jsonl"
+  logger = metrics.MetricsLogger(str(tmp_path), str(path), total_steps=4, progress=True)
+  logger.log(2, {"loss": 2.0})
+  logger.log(4, {"loss": 1.5})
+  logger.close()
+  assert [row["step"] for row in read_lines(path)] == [2, 4]
+  err = capsys.readouterr().err
+  assert err.count("note: tensorboardX is not installed") == 1
+  assert err.count("note: tqdm is not installed") == 1
+  assert not (tmp_path / "tb").exists()
