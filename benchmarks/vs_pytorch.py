@@ -16,9 +16,9 @@ per-repeat ratios. `--phases` also times forward and forward+backward alone on e
 Each side has its process: torch in benchmarks/_torch_gpt2.py (driven window by window over a
 pipe, timing itself), jaxpar in this one, so jaxpar's malloc setting for one-device CPU runs
 (jaxpar/hostmem.py; JAXPAR_HOST_MALLOC=off turns it off) does not reach torch.
-`--torch-in-process` runs torch here instead. The ratio is a measurement: the script exits 0 whatever it is. Writes
-benchmarks/results/vs_pytorch.json by default (git-ignored; committed figures are in
-benchmarks/reference/).
+`--torch-in-process` runs torch here instead. The ratio is a measurement: the script exits 0
+whatever it is. Writes benchmarks/results/vs_pytorch.json by default (git-ignored; committed
+figures are in benchmarks/reference/).
 """
 from __future__ import annotations
 

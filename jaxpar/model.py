@@ -55,7 +55,8 @@ def from_nnx(factory: Callable[..., Any], loss_fn: LossFn, input_key: str = "x",
   """A Flax NNX model. factory(rngs) -> module; module(batch[input_key]) -> outputs.
 
   Parameters annotated with `nnx.with_partitioning(init, axes)` (or `out_sharding=`; older flax:
-  `sharding_names=`) use those logical axes; the others are matched by `path_rules`. Only `nnx.Param` state is supported.
+  `sharding_names=`) use those logical axes; the others are matched by `path_rules`. Only
+  `nnx.Param` state is supported.
   """
   from flax import nnx
   with nnx.use_eager_sharding(False):
