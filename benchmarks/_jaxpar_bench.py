@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,24 @@ def one_device(cfg, n_batches: int, device=None) -> OneDevice:
   sharding = trainer.batch_sharding(abstract)
   batches = [jax.device_put({"tokens": r}, sharding) for r in rows]
   return OneDevice(mesh, trainer, compiled, state, rows, batches)
+
+
+def host_cpu() -> dict:
+  """The host CPU the figures were taken on: its model name, core count and the vector
+  extensions that decide matmul speed (the same benchmark differs about 2x between machines)."""
+  info = {"model": platform.processor() or platform.machine(), "count": os.cpu_count(),
+          "extensions": []}
+  try:
+    with open("/proc/cpuinfo") as f:
+      text = f.read()
+  except OSError:  # not Linux
+    return info
+  fields = dict(line.split(":", 1) for line in text.splitlines()[:40] if ":" in line)
+  fields = {k.strip(): v.strip() for k, v in fields.items()}
+  info["model"] = fields.get("model name", info["model"])
+  flags = set(fields.get("flags", "").split())
+  info["extensions"] = sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+  return info
 
 
 def write_json(result: Any, path: str, indent: int = 2) -> None:

@@ -211,6 +211,7 @@ def main(argv=None) -> int:
       "device_kind": device.device_kind,
       "devices_visible": jax.device_count(),
       "cpu_count": os.cpu_count(),
+      "cpu": _jaxpar_bench.host_cpu(),
       "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
       "config": jconfig.to_dict(cfg),
       "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,

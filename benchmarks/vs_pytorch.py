@@ -229,6 +229,7 @@ def compare(args, cfg, device, tokens_per_step, trainer, compiled, jstate, jbatc
       "torch_process": "this" if args.torch_in_process else "its own",
       "backend": jax.default_backend(), "device_kind": device.device_kind,
       "cpu_count": os.cpu_count(),
+      "cpu": _jaxpar_bench.host_cpu(),
       "load_average": {"before": load_before, "after": load_after},
       # glibc's allocator settings change XLA:CPU's per-step cost; recorded with the figures
       "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
@@ -253,11 +254,13 @@ def compare(args, cfg, device, tokens_per_step, trainer, compiled, jstate, jbatc
     for name, p in phase_s.items():
       print(f"{name:>6}: forward {p['forward'] * 1e3:.0f} ms, forward+backward "
             f"{p['forward_backward'] * 1e3:.0f} ms")
+  cpu = result["cpu"]
   print(f"vs_pytorch: jaxpar {med['jaxpar']:,.0f} tok/s, torch {med['torch']:,.0f} tok/s "
         f"(medians of {args.repeats}x{args.steps} steps; torch in {result['torch_process']} "
         f"process), ratio {ratio:.3f} (per repeat {min(per_repeat):.3f}-{max(per_repeat):.3f}, "
         f"per CPU-second {result['ratio_cpu']:.3f}; target {TARGET}) "
-        f"load {load_before[0]:.2f}->{load_after[0]:.2f} -> {args.out}")
+        f"load {load_before[0]:.2f}->{load_after[0]:.2f}; {cpu['count']} cores, "
+        f"{'avx512f' if 'avx512f' in cpu['extensions'] else 'no avx512f'} -> {args.out}")
   return 0
 
 
