@@ -138,6 +138,10 @@ class Launcher:
     self.procs: list[subprocess.Popen] = []
     self.threads: list[threading.Thread] = []
     self.lock = threading.Lock()
+    # rank -> (monotonic time, Popen return code), written by each process's watcher thread the
+    # moment it ends: when one failure brings down the rest within one polling interval, the
+    # earliest end (not the lowest rank) is the one to report.
+    self.ended: dict[int, tuple[float, int]] = {}
     self.interrupted = None
 
   def say(self, text: str) -> None:
@@ -157,8 +161,18 @@ class Launcher:
                              daemon=True)
         t.start()
         self.threads.append(t)
+      threading.Thread(target=self._watch, args=(rank, p), daemon=True).start()
     self.say("started " + ", ".join(f"process {r} as pid {p.pid}"
                                     for r, p in enumerate(self.procs)))
+
+  def _watch(self, rank: int, p: subprocess.Popen) -> None:
+    code = p.wait()
+    with self.lock:
+      self.ended[rank] = (time.monotonic(), code)
+
+  def still_running(self) -> list[int]:
+    with self.lock:
+      return [r for r in range(len(self.procs)) if r not in self.ended]
 
   def _signal(self, sig: int, ranks: list[int]) -> None:
     for r in ranks:
@@ -173,9 +187,9 @@ class Launcher:
       return
     self._signal(signal.SIGTERM, ranks)
     deadline = time.monotonic() + self.grace
-    while time.monotonic() < deadline and any(self.procs[r].poll() is None for r in ranks):
+    while time.monotonic() < deadline and set(ranks) & set(self.still_running()):
       time.sleep(0.05)
-    alive = [r for r in ranks if self.procs[r].poll() is None]
+    alive = [r for r in ranks if r in self.still_running()]
     if alive:
       self.say(f"process{'es' if len(alive) > 1 else ''} {', '.join(map(str, alive))} still "
                f"running {self.grace:g} s after SIGTERM: sending SIGKILL")
@@ -187,16 +201,17 @@ class Launcher:
     """Waits for every process; the first non-zero code wins (signals as 128 + number)."""
     first: tuple[int, int] | None = None  # (rank, Popen return code)
     while True:
-      running = [r for r, p in enumerate(self.procs) if p.poll() is None]
+      running = self.still_running()
       if first is None:
-        failed = [r for r, p in enumerate(self.procs) if p.returncode not in (None, 0)]
+        with self.lock:
+          failed = sorted((t, r, code) for r, (t, code) in self.ended.items() if code != 0)
         if failed:
-          first = (failed[0], self.procs[failed[0]].returncode)
+          first = failed[0][1:]
           # Processes that fail together (e.g. the same bad config) need not be stopped.
           settle = time.monotonic() + 1.0
-          while time.monotonic() < settle and any(self.procs[r].poll() is None for r in running):
+          while time.monotonic() < settle and self.still_running():
             time.sleep(0.05)
-          running = [r for r in running if self.procs[r].poll() is None]
+          running = self.still_running()
           if running:
             self.say(f"process {first[0]} ended with {describe(first[1])} while "
                      f"{'processes' if len(running) > 1 else 'process'} "
@@ -267,7 +282,7 @@ def main(argv=None) -> int:
     launcher.start()
   except OSError as e:  # e.g. the command does not exist
     launcher.say(f"cannot start {command[0]}: {e.strerror or e}")
-    launcher.stop([r for r, p in enumerate(launcher.procs) if p.poll() is None])
+    launcher.stop(launcher.still_running())
     return 127
   return launcher.wait()
 

@@ -329,6 +329,30 @@ def test_launcher_stops_the_others_when_one_fails(tmp_path, env):
   assert "process 0 ended with signal SIGTERM; exit code 3" in r.stderr
 
 
+def test_the_failure_reported_first_is_the_earliest_not_the_lowest_rank(tmp_path, env):
+  # Process 1 fails; process 0 sees it (a file here, a broken connection in training) and exits
+  # a few milliseconds later, well within the launcher's polling interval.
+  child = tmp_path / "child.py"
+  gone = tmp_path / "gone"
+  child.write_text(
+      "import os, sys, time\n"
+      f"gone = {str(gone)!r}\n"
+      "if os.environ['JAXPAR_PROCESS_ID'] == '1':\n"
+      "  time.sleep(1.0)\n"
+      "  open(gone, 'w').close()\n"
+      "  os._exit(3)\n"
+      "while not os.path.exists(gone):\n"
+      "  time.sleep(0.001)\n"
+      "time.sleep(0.005)\n"
+      "sys.exit(1)\n")
+  for _ in range(3):
+    gone.unlink(missing_ok=True)
+    r = run([LAUNCH, "--processes", "2", "--", str(child)], env, timeout=60)
+    assert r.returncode == 3, r.stderr
+    assert "[launcher] process 1 failed first (exit code 3); process 0 ended with exit code 1" \
+        in r.stderr, r.stderr
+
+
 def test_resolve_flags_environment_and_launchers(monkeypatch):
   monkeypatch.setattr(distributed, "_detect_cluster", lambda: None)
   assert distributed.resolve(None, {}).num_processes == 1
