@@ -8,8 +8,6 @@ next run deletes it.
 """
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 from typing import Any
 
@@ -18,6 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxpar.config import ConfigError
+from jaxpar.metrics import quiet_absl
 from jaxpar.rules import path_str
 
 STATE, EXTRA = "state", "extra"
@@ -29,21 +28,9 @@ def _manager(directory: str, options: ocp.CheckpointManagerOptions) -> ocp.Check
   return ocp.CheckpointManager(os.path.abspath(directory), options=options, item_handlers=handlers)
 
 
-@contextlib.contextmanager
-def _quiet():
-  """orbax warns through absl each time a read-only manager is made; reading is all we ask of it."""
-  log = logging.getLogger("absl")
-  level = log.level
-  log.setLevel(logging.ERROR)
-  try:
-    yield
-  finally:
-    log.setLevel(level)
-
-
 def _reader(directory: str) -> ocp.CheckpointManager:
   """A manager that neither creates nor deletes anything, safe beside a run that is saving."""
-  with _quiet():
+  with quiet_absl():
     return _manager(directory, ocp.CheckpointManagerOptions(read_only=True, create=False))
 
 
@@ -217,7 +204,7 @@ def read_state(directory: str, step: int | None = None) -> dict:
   """
   path = os.path.join(_step_dir(directory, step), STATE)
   with ocp.PyTreeCheckpointer() as ckptr:
-    with _quiet():
+    with quiet_absl():
       meta = _tree(ckptr.metadata(path))
     restore_args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
     return ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
@@ -229,7 +216,7 @@ def _state_reader() -> ocp.PyTreeCheckpointer:
 
 def stored_params(directory: str, step: int) -> dict[str, Any]:
   """'a/b' -> orbax's metadata (shape, dtype) of every stored parameter; nothing is read."""
-  with _state_reader() as reader, _quiet():
+  with _state_reader() as reader, quiet_absl():
     tree = _tree(reader.metadata(os.path.join(_step_dir(directory, step), STATE)))
   return _leaves(tree["params"])
 
@@ -246,7 +233,7 @@ def _read_params(directory: str, step: int, item: Any, restore_args: Any) -> Any
 
 def restore_params(directory: str, step: int, abstract_params: Any, shardings: Any) -> Any:
   """Only the parameters of `step`, each read straight into its shards (no optimizer state)."""
-  with _quiet():
+  with quiet_absl():
     check_shapes({"params": _tree(_state_reader().metadata(
         os.path.join(_step_dir(directory, step), STATE)))["params"]}, {"params": abstract_params})
   target = jax.tree_util.tree_map(

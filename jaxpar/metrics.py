@@ -1,4 +1,5 @@
-"""Training-loop logging: JSONL metrics, TensorBoard scalars, a progress bar and MFU arithmetic.
+"""Training-loop logging: JSONL metrics, TensorBoard scalars, a progress bar and MFU arithmetic;
+the dependencies' warnings about what jaxpar does on purpose held back (`quiet_absl`).
 
 Only the main process writes. Files and the TensorBoard writer are created on the first line
 written, so a run that fails during setup leaves nothing behind, and every line is flushed, so an
@@ -6,7 +7,9 @@ interrupted run leaves only complete lines.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import sys
@@ -212,6 +215,19 @@ def _profile_line(p: dict[str, Any]) -> str:
   return (f"profile steps {a}-{b} (trace in {p['trace_dir']}): step {ms('step_s')} = compute "
           f"{ms('compute_s')} + collectives {ms('collective_s')} ({share:.0%}) + other "
           f"{ms('other_s')}; {how}")
+
+
+@contextlib.contextmanager
+def quiet_absl():
+  """absl's warnings held back for a block: orbax and TFDS warn through absl about what jaxpar
+  does on purpose (a read-only checkpoint manager, a dataset built from a local folder)."""
+  log = logging.getLogger("absl")
+  level = log.level
+  log.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    log.setLevel(level)
 
 
 def _missing(package: str, consequence: str) -> None:

@@ -1,4 +1,5 @@
 """jaxpar.data: the local_text TFDS builder, packing and the resumable batch iterator (no JAX)."""
+import logging
 import os
 
 import numpy as np
@@ -65,6 +66,22 @@ def test_local_text_cap_and_validation_split(tmp_path):
   # The 61st file is cut at the cap, less the half of 'é' that does not fit.
   assert b"060" in train
   assert sum(map(len, train + val)) == 60 * 50 + 3
+
+
+def test_a_build_reports_itself_in_one_line_and_tfds_stays_quiet(text_dir, tmp_path, capfd,
+                                                                  caplog):
+  # TFDS would print "Downloading and preparing dataset Unknown size ..." (nothing is
+  # downloaded) and warn through absl about our builder config and the folder not yet built.
+  with caplog.at_level(logging.INFO):
+    local_text.prepare(str(tmp_path / "data"), str(text_dir), max_bytes=0)
+    out, err = capfd.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("jaxpar: built the local_text dataset (")
+    assert f"{len(DOCS)} train files)" in err and "later runs reuse it" in err
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
+    local_text.prepare(str(tmp_path / "data"), str(text_dir), max_bytes=0)  # built: silent
+    assert capfd.readouterr() == ("", "")
+  assert logging.getLogger("absl").level < logging.ERROR  # the level is given back
 
 
 def test_config_name_depends_on_folder_and_cap(tmp_path):

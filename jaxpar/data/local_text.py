@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import sysconfig
+import time
 
 import tensorflow_datasets as tfds
+
+from jaxpar.metrics import quiet_absl
 
 DEFAULT_MAX_BYTES = 8_000_000
 VALIDATION_EVERY = 50  # every 50th accepted file goes to `validation`
@@ -104,6 +108,14 @@ class LocalText(tfds.core.GeneratorBasedBuilder):
     # needs the `importlib_resources` backport for builders defined inside a package.
     return None
 
+  # TFDS prints "Downloading and preparing dataset Unknown size ..." and "... downloaded and
+  # prepared ..." around a build; nothing is downloaded here, and `prepare` says what was built.
+  def _log_download_bytes(self) -> None:
+    pass
+
+  def _log_download_done(self) -> None:
+    pass
+
   def _info(self) -> tfds.core.DatasetInfo:
     # A builder outside a dataset package must pass itself: there is no metadata folder to find.
     return tfds.core.DatasetInfo(
@@ -134,10 +146,17 @@ class LocalText(tfds.core.GeneratorBasedBuilder):
 
 
 def prepare(data_dir: str, path: str = "", max_bytes: int = DEFAULT_MAX_BYTES) -> LocalText:
-  """The builder for (path, max_bytes) under data_dir, built on first use and reused after."""
-  builder = LocalText(path=path, max_bytes=max_bytes, data_dir=data_dir)
-  if not builder.is_prepared():
+  """The builder for (path, max_bytes) under data_dir, built on first use and reused after.
+
+  TFDS's warnings about a builder config of our own and a folder not yet built are held back;
+  a build reports itself in one line on stderr.
+  """
+  with quiet_absl():
+    builder = LocalText(path=path, max_bytes=max_bytes, data_dir=data_dir)
+    if builder.is_prepared():
+      return builder
     tfds.disable_progress_bar()  # one build of a few seconds; its bars would bury the run's own
+    t0 = time.perf_counter()
     try:
       builder.download_and_prepare(file_format="array_record")
     except FileExistsError:
@@ -145,6 +164,13 @@ def prepare(data_dir: str, path: str = "", max_bytes: int = DEFAULT_MAX_BYTES) -
       builder = LocalText(path=path, max_bytes=max_bytes, data_dir=data_dir)
       if not builder.is_prepared():
         raise
+      return builder
+  splits = builder.info.splits
+  counts = " and ".join(f"{splits[s].num_examples:,} {s}" for s in ("train", "validation")
+                        if s in splits)
+  print(f"jaxpar: built the local_text dataset ({builder.builder_config.description}: {counts} "
+        f"files) in {time.perf_counter() - t0:.1f} s under {builder.data_dir}; later runs reuse it",
+        file=sys.stderr)
   return builder
 
 
