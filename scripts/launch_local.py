@@ -142,6 +142,7 @@ class Launcher:
     # moment it ends: when one failure brings down the rest within one polling interval, the
     # earliest end (not the lowest rank) is the one to report.
     self.ended: dict[int, tuple[float, int]] = {}
+    self.ended_lock = threading.Lock()  # not `lock`, which output holds while it writes
     self.interrupted = None
 
   def say(self, text: str) -> None:
@@ -167,11 +168,12 @@ class Launcher:
 
   def _watch(self, rank: int, p: subprocess.Popen) -> None:
     code = p.wait()
-    with self.lock:
-      self.ended[rank] = (time.monotonic(), code)
+    t = time.monotonic()
+    with self.ended_lock:
+      self.ended[rank] = (t, code)
 
   def still_running(self) -> list[int]:
-    with self.lock:
+    with self.ended_lock:
       return [r for r in range(len(self.procs)) if r not in self.ended]
 
   def _signal(self, sig: int, ranks: list[int]) -> None:
@@ -203,7 +205,7 @@ class Launcher:
     while True:
       running = self.still_running()
       if first is None:
-        with self.lock:
+        with self.ended_lock:
           failed = sorted((t, r, code) for r, (t, code) in self.ended.items() if code != 0)
         if failed:
           first = failed[0][1:]
