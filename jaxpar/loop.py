@@ -6,9 +6,11 @@ checkpoint steps; in between, steps are dispatched back to back.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -161,6 +163,31 @@ def resumable(cfg: Config, ckpt_dir: str) -> int | None:
   return step
 
 
+def _tree(directory: str) -> set[str]:
+  """Every path below `directory` (empty if it does not exist)."""
+  return {os.path.join(d, n) for d, dirs, files in os.walk(directory) for n in dirs + files}
+
+
+@contextlib.contextmanager
+def _undone_on_failure(workdir: str):
+  """If the block raises, what it created under `workdir` is removed (the workdir too, if it did
+  not exist before): bad input leaves nothing on disk."""
+  existed = os.path.isdir(workdir)
+  before = _tree(workdir) if existed else set()
+  try:
+    yield
+  except BaseException:
+    if not existed:
+      shutil.rmtree(workdir, ignore_errors=True)
+    else:
+      for path in sorted(_tree(workdir) - before, key=len, reverse=True):  # deepest first
+        if os.path.isdir(path) and not os.path.islink(path):
+          shutil.rmtree(path, ignore_errors=True)
+        elif os.path.lexists(path):
+          os.remove(path)
+    raise
+
+
 def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_file: str | None = None,
         steps: int | None = None, progress: bool = True, log=print,
         profile_steps: tuple[int, int] | None = None) -> RunResult:
@@ -182,11 +209,13 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
     log(f"nothing to train: the checkpoint in {ckpt_dir} is at step {start} and --steps is {total}")
     return RunResult(steps=start, losses={}, state=None, trainer=trainer,
                      summary={"steps": start, "steps_this_run": 0, "nothing_to_train": True})
-  # Data before the workdir: a dataset that is missing or does not fit the model is bad input.
+  # Data before the workdir: a dataset that is missing or does not fit the model is bad input,
+  # and what building it wrote under the workdir (<workdir>/data by default) goes again.
   pi, pc = jax.process_index(), jax.process_count()
-  batches = make_loader(cfg, workdir, pi, pc)
-  evals = (make_loader(cfg, workdir, pi, pc, split=cfg.data.eval_split, train=False)
-           if cfg.train.eval_every else None)
+  with _undone_on_failure(workdir):
+    batches = make_loader(cfg, workdir, pi, pc)
+    evals = (make_loader(cfg, workdir, pi, pc, split=cfg.data.eval_split, train=False)
+             if cfg.train.eval_every else None)
   os.makedirs(workdir, exist_ok=True)
   ckpt = jckpt.Checkpointer(ckpt_dir, keep=cfg.checkpoint.keep, every=cfg.checkpoint.every)
   batch_abstract = _batch_abstract(batches.element_spec, pc)

@@ -47,6 +47,32 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path, args, message):
   assert not workdir.exists()
 
 
+@pytest.mark.parametrize("folder,message", [
+    ("missing", "does not exist"),
+    ("empty", "holds no readable text files"),
+    ("one_line", "yields 0 windows of seq_len + 1 = 129 tokens, fewer than one global batch of 16"),
+])
+def test_bad_data_leaves_the_workdir_as_it_was(tmp_path, folder, message):
+  # The local_text build writes under <workdir>/data before the folder or its size is found
+  # wanting; all of it goes again, and a workdir that was there keeps what it held.
+  data = tmp_path / folder
+  if folder != "missing":
+    data.mkdir()
+  if folder == "one_line":
+    (data / "a.py").write_text("print('hi')\n")
+  fresh, kept = tmp_path / "fresh", tmp_path / "kept"
+  kept.mkdir()
+  (kept / "notes.txt").write_text("mine")
+  for wd in (fresh, kept):
+    r = train("--mesh", "1x1x1", "--set", f"data.path={data}", "--workdir", str(wd),
+              "--no-progress")
+    assert r.returncode == 2, r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], r.stderr
+  assert not fresh.exists()
+  assert [p.name for p in kept.iterdir()] == ["notes.txt"]
+
+
 def test_mesh_larger_than_devices_is_exit_2(tmp_path):
   r = train("--mesh", "2x4x1", "--workdir", str(tmp_path / "wd"),
             env_extra={"XLA_FLAGS": f"{FAST_XLA} --xla_force_host_platform_device_count=4"})

@@ -166,11 +166,11 @@ def prepare(data_dir: str, path: str = "", max_bytes: int = DEFAULT_MAX_BYTES) -
         raise
       return builder
   splits = builder.info.splits
-  counts = " and ".join(f"{splits[s].num_examples:,} {s}" for s in ("train", "validation")
-                        if s in splits)
+  n = {s: splits[s].num_examples for s in ("train", "validation") if s in splits}
+  counts = " and ".join(f"{k:,} {s}" for s, k in n.items())
   print(f"jaxpar: built the local_text dataset ({builder.builder_config.description}: {counts} "
-        f"files) in {time.perf_counter() - t0:.1f} s under {builder.data_dir}; later runs reuse it",
-        file=sys.stderr)
+        f"file{'s' if sum(n.values()) != 1 else ''}) in {time.perf_counter() - t0:.1f} s under "
+        f"{builder.data_dir}; later runs reuse it", file=sys.stderr)
   return builder
 
 
