@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 
@@ -36,6 +37,23 @@ def setup(args, processes: int = 1) -> tuple[jconfig.Config, tuple[int, int, int
           f"(XLA_FLAGS=--xla_force_host_platform_device_count={local})", file=sys.stderr)
   hostmem.configure(local)  # one CPU device here: keep XLA's freed temporaries (see hostmem.py)
   return cfg, shape
+
+
+def check_outputs(workdir: str | None = None, metrics_file: str | None = None) -> None:
+  """Output paths that cannot be written as asked are bad input, refused before any work: a
+  workdir (a folder, made if missing) or a metrics file (a file, its folders made if missing)
+  whose path is taken by the other kind, or runs through a file."""
+  for path, flag, want_dir in ((workdir, "--workdir", True), (metrics_file, "--metrics-file", False)):
+    if not path:
+      continue
+    if os.path.exists(path) and os.path.isdir(path) != want_dir:
+      raise ConfigError(f"{flag} {path} is a {'file' if want_dir else 'folder'}; it must be "
+                        f"{'a folder (made if missing)' if want_dir else 'a file (made if missing)'}")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+      parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+      raise ConfigError(f"{flag} {path} cannot be made: {parent} is a file")
 
 
 def guard(body, debug: bool) -> int:

@@ -36,6 +36,7 @@ def main(argv=None) -> int:
       from jaxpar.interop import deepspeed
       args.set = deepspeed.cli_overrides(args.deepspeed, args.mesh, args.set,
                                          show=spec.process_id == 0) + args.set
+    cli.check_outputs(args.workdir, args.metrics_file)
     cfg, shape = cli.setup(args, processes=spec.num_processes)
     distributed.initialize(spec)  # before anything touches the devices
     distributed.preflight(cfg, shape)

@@ -73,6 +73,23 @@ def test_bad_data_leaves_the_workdir_as_it_was(tmp_path, folder, message):
   assert [p.name for p in kept.iterdir()] == ["notes.txt"]
 
 
+def test_output_paths_taken_by_the_other_kind_are_refused_before_any_work(tmp_path):
+  a_file = tmp_path / "a_file"
+  a_file.write_text("mine")
+  cases = [(["--workdir", str(a_file)], f"--workdir {a_file} is a file"),
+           (["--workdir", str(a_file / "wd")], f"cannot be made: {a_file} is a file"),
+           (["--workdir", str(tmp_path / "wd"), "--metrics-file", str(tmp_path)],
+            f"--metrics-file {tmp_path} is a folder"),
+           (["--workdir", str(tmp_path / "wd"), "--metrics-file", str(a_file / "m.jsonl")],
+            f"cannot be made: {a_file} is a file")]
+  for args, message in cases:
+    r = train("--mesh", "1x1x1", *args, "--set", "data.source=synthetic", "--no-progress")
+    assert r.returncode == 2, r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in r.stderr, r.stderr
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"] and a_file.read_text() == "mine"
+
+
 def test_mesh_larger_than_devices_is_exit_2(tmp_path):
   r = train("--mesh", "2x4x1", "--workdir", str(tmp_path / "wd"),
             env_extra={"XLA_FLAGS": f"{FAST_XLA} --xla_force_host_platform_device_count=4"})

@@ -94,11 +94,13 @@ def test_cifar10_trains_three_steps_and_logs_accuracy(runs):
   assert "tokens_per_sec" not in final and final["examples_per_sec"] > 0
 
 
-def test_unprepared_dataset_is_a_config_error_before_the_workdir(tmp_path):
+def test_unprepared_dataset_is_a_config_error_before_the_workdir(tmp_path, caplog):
   from jaxpar import loop
   cfg = _cfg("data.source=tfds", "data.name=lm1b", f"data.data_dir={tmp_path / 'tfds'}", *TINY_GPT)
   with pytest.raises(ConfigError) as err:  # scripts print it as one line and exit with code 2
     loop.run(cfg, (8, 1, 1), str(tmp_path / "wd"), progress=False)
+  # TFDS's "Variant folder ... has no dataset_info.json" would come before that line
+  assert not [r for r in caplog.records if r.name == "absl" and r.levelno >= 30], caplog.records
   message = str(err.value)
   assert "TFDS dataset lm1b is not prepared in" in message and "\n" not in message
   assert "tfds build lm1b --file_format=array_record" in message and "data.data_dir" in message

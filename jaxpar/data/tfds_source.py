@@ -35,6 +35,7 @@ import tensorflow_datasets as tfds
 from jaxpar.config import ConfigError
 from jaxpar.data.loader import SEPARATOR, VOCAB_SIZE
 from jaxpar.data.windows import TokenWindows, end_of_text_id, shuffled
+from jaxpar.metrics import quiet_absl
 
 CACHE_BYTES = 1 << 30  # a host keeps its image shard in memory up to this many decoded bytes
 STATS_SAMPLE = 512  # images of the training split that estimate the per-channel mean and std
@@ -72,11 +73,12 @@ def _where(data_dir: str | None) -> str:
 def open_dataset(name: str, data_dir: str = "") -> Dataset:
   """Finds `name` and classifies its features; ConfigError when it is unknown or unusable."""
   try:
-    builder = tfds.builder(name, data_dir=data_dir or None)
+    with quiet_absl():  # "Variant folder ... has no dataset_info.json" when it is not built yet
+      builder = tfds.builder(name, data_dir=data_dir or None)
+      features = builder.info.features
   except tfds.core.registered.DatasetNotFoundError:
     raise ConfigError(f"data.name={name!r} is not a TFDS dataset "
                       f"(tfds.list_builders() lists the known names)") from None
-  features = builder.info.features
   texts = [k for k, f in features.items() if isinstance(f, tfds.features.Text)]
   image = features["image"] if "image" in features else None
   label = features["label"] if "label" in features else None
@@ -96,10 +98,13 @@ def open_dataset(name: str, data_dir: str = "") -> Dataset:
 def data_source(ds: Dataset, split: str):
   """Random access to a split through `tfds.data_source`; ConfigError if it cannot be read."""
   try:
-    return tfds.data_source(ds.name, split=split, data_dir=ds.data_dir, download=False)
+    with quiet_absl():
+      return tfds.data_source(ds.name, split=split, data_dir=ds.data_dir, download=False)
   except Exception as e:  # tfds raises several types; decide from what is on disk
-    builder = tfds.builder(ds.name, data_dir=ds.data_dir)
-    if not builder.is_prepared():
+    with quiet_absl():
+      builder = tfds.builder(ds.name, data_dir=ds.data_dir)
+      prepared = builder.is_prepared()
+    if not prepared:
       raise ConfigError(
           f"TFDS dataset {ds.name} is not prepared in {_where(ds.data_dir)}: run `tfds build "
           f"{ds.name} --file_format=array_record` on a machine with internet, copy the data dir "
