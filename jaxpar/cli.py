@@ -39,16 +39,16 @@ def setup(args, processes: int = 1) -> tuple[jconfig.Config, tuple[int, int, int
   return cfg, shape
 
 
-def check_outputs(workdir: str | None = None, metrics_file: str | None = None) -> None:
-  """Output paths that cannot be written as asked are bad input, refused before any work: a
-  workdir (a folder, made if missing) or a metrics file (a file, its folders made if missing)
-  whose path is taken by the other kind, or runs through a file."""
-  for path, flag, want_dir in ((workdir, "--workdir", True), (metrics_file, "--metrics-file", False)):
+def check_outputs(*outputs: tuple[str, str | None, str]) -> None:
+  """(flag, path, "folder" or "file") for each output a script will write: a path taken by the
+  other kind, or one that runs through a file, is bad input, refused before any work (missing
+  folders are made)."""
+  for flag, path, kind in outputs:
     if not path:
       continue
-    if os.path.exists(path) and os.path.isdir(path) != want_dir:
-      raise ConfigError(f"{flag} {path} is a {'file' if want_dir else 'folder'}; it must be "
-                        f"{'a folder (made if missing)' if want_dir else 'a file (made if missing)'}")
+    if os.path.exists(path) and os.path.isdir(path) != (kind == "folder"):
+      other = "file" if kind == "folder" else "folder"
+      raise ConfigError(f"{flag} {path} is a {other}; it must be a {kind} (made if missing)")
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
       parent = os.path.dirname(parent)

@@ -26,6 +26,7 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
 
   def body():
+    cli.check_outputs(("--hf", args.hf, "folder"), ("--out", args.out, "file"))
     from jaxpar import export
     if args.hf:
       from jaxpar.interop import hf

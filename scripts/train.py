@@ -36,7 +36,8 @@ def main(argv=None) -> int:
       from jaxpar.interop import deepspeed
       args.set = deepspeed.cli_overrides(args.deepspeed, args.mesh, args.set,
                                          show=spec.process_id == 0) + args.set
-    cli.check_outputs(args.workdir, args.metrics_file)
+    cli.check_outputs(("--workdir", args.workdir, "folder"),
+                      ("--metrics-file", args.metrics_file, "file"))
     cfg, shape = cli.setup(args, processes=spec.num_processes)
     distributed.initialize(spec)  # before anything touches the devices
     distributed.preflight(cfg, shape)

@@ -121,6 +121,13 @@ def test_export_bad_input_is_exit_2(run, tmp_path):
   r = script("export.py", "--workdir", run["workdir"], "--step", 7, "--out", out)
   assert r.returncode == 2 and "has no checkpoint of step 7; it has steps 30" in r.stderr
   assert not out.exists()
+  a_file = tmp_path / "a_file"
+  a_file.write_text("mine")
+  for args, message in ((["--out", a_file / "m.safetensors"], f"cannot be made: {a_file} is a file"),
+                        (["--hf", a_file], f"--hf {a_file} is a file; it must be a folder")):
+    r = script("export.py", "--workdir", run["workdir"], *args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and message in r.stderr, r.stderr
+  assert a_file.read_text() == "mine"
 
 
 PLAIN_ORBAX = """
