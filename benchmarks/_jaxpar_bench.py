@@ -56,11 +56,13 @@ def host_cpu() -> dict:
       text = f.read()
   except OSError:  # not Linux
     return info
-  fields = dict(line.split(":", 1) for line in text.splitlines()[:40] if ":" in line)
+  first_cpu = text.split("\n\n")[0]  # every processor repeats the same block
+  fields = dict(line.split(":", 1) for line in first_cpu.splitlines() if ":" in line)
   fields = {k.strip(): v.strip() for k, v in fields.items()}
   info["model"] = fields.get("model name", info["model"])
   flags = set(fields.get("flags", "").split())
-  info["extensions"] = sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+  info["extensions"] = sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16",
+                                       "amx_tile"})
   return info
 
 

@@ -16,7 +16,7 @@ from jaxpar.config import ConfigError
 # reduced away) is allocated and freed by every execution, from a thread other than the main one
 # as XLA's own threads do; report the minor page faults of the median run. The median, because
 # with the setting the heap can still grow once in the first runs (small allocations split the
-# freed block; BUILD.md), faulting part of a block in that one time: seen once in five suites.
+# freed block; BUILD.md), faulting part of a block in that one time (once in eight suite runs).
 PROBE = """
 import json, resource, sys
 if sys.argv[1] in ("jaxpar", "one-device"):
