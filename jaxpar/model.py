@@ -91,10 +91,15 @@ def from_linen(module: Any, example_input: Any, loss_fn: LossFn, input_key: str 
   """A Flax Linen model. module.apply({'params': p}, batch[input_key]) -> outputs.
 
   Parameters created with `nn.with_logical_partitioning(init, axes)` use those logical axes; the
-  others are matched by `path_rules`.
+  others are matched by `path_rules`. Only the `params` collection is supported.
   """
   import flax.linen as nn
-  boxed = jax.eval_shape(lambda: module.init(jax.random.key(0), example_input))["params"]
+  variables = jax.eval_shape(lambda: module.init(jax.random.key(0), example_input))
+  others = sorted(k for k in variables if k != "params")
+  if others:
+    raise ValueError("from_linen supports models whose variables are 'params' only; found "
+                     + ", ".join(others))
+  boxed = variables["params"]
   is_box = lambda x: isinstance(x, nn.Partitioned)
   annotated = jax.tree_util.tree_map(lambda x: tuple(x.names) if is_box(x) else None, boxed,
                                      is_leaf=is_box)

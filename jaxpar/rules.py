@@ -120,6 +120,11 @@ def param_specs(abstract: Any, logical: Any, mesh, rules=RULES) -> Any:
   """Trees of ShapeDtypeStruct and logical axes -> tree of mesh PartitionSpecs, checked."""
   def one(path, leaf, axes):
     spec = to_mesh(axes, rules)
+    used = [a for a in spec if a is not None]
+    if len(set(used)) < len(used):
+      raise ConfigError(f"parameter {path_str(path)} has logical axes {tuple(axes)}, which put "
+                        f"one mesh axis on two of its dimensions ({spec}); give one of them a "
+                        f"logical axis that is not split the same way (e.g. 'embed')")
     check_divisible(path_str(path), leaf.shape, spec, mesh)
     return spec
   return jax.tree_util.tree_map_with_path(one, abstract, logical,
@@ -134,14 +139,18 @@ def is_split(logical: str, rules=None) -> bool:
 
 
 def constrain(x: jax.Array, logical: Logical, rules=None, manual: frozenset = frozenset()) -> jax.Array:
-  """Activation sharding constraint by logical names; mesh axes in `manual` are left out.
+  """Activation sharding constraint by logical names, for jaxpar's models and a user's alike.
 
-  Inside a `shard_map` that is manual over some axes, those axes are already split by hand, so
-  the constraint may only speak of the automatic ones.
+  Inside a `shard_map` that is manual over some axes (the trainer's step is manual over `data`),
+  those axes are already split by hand, so the constraint speaks only of the automatic ones: the
+  mesh's manual axes and those in `manual` are left out.
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return x
-  spec = to_mesh(logical, rules)
-  spec = P(*(None if a in manual else a for a in spec))
-  return jax.lax.with_sharding_constraint(x, spec)
+  manual = frozenset(manual) | frozenset(mesh.manual_axes)
+
+  def auto(a):
+    names = tuple(n for n in ((a,) if isinstance(a, str) else a or ()) if n not in manual)
+    return None if not names else names[0] if len(names) == 1 else names
+  return jax.lax.with_sharding_constraint(x, P(*(auto(a) for a in to_mesh(logical, rules))))

@@ -24,11 +24,34 @@ from jaxpar.config import Config, ConfigError, microbatches
 from jaxpar.model import ModelDef
 
 PIPE = "pipeline"
+# A loss_fn metric with this name is the loss's denominator in its piece of the batch (e.g. the
+# unmasked tokens of a masked mean). Pieces (data shards, accumulated microbatches) then combine
+# as sum(weight * loss) / sum(weight), the global batch's loss, instead of a mean of their means.
+WEIGHT = "loss_weight"
 
 
 def _manual_only(spec: P, manual: frozenset) -> P:
   """The part of a spec that a shard_map manual over `manual` may name."""
   return P(*(a if a in manual else None for a in spec))
+
+
+def _as_float_weight(loss, aux):
+  """(loss, metrics) with the WEIGHT metric, if any, in float32 (a count may come as an int)."""
+  if WEIGHT in aux:
+    aux = {**aux, WEIGHT: jnp.asarray(aux[WEIGHT], jnp.float32)}
+  return loss, aux
+
+
+def _unweighted(loss, aux, grads, accum: int, manual: frozenset):
+  """Means over the pieces of sum(weight * loss) (and its gradients) and of the weights -> the
+  loss (and gradients) of the whole batch; the logged weight becomes the batch's total."""
+  mean_w = aux[WEIGHT]
+  denom = jnp.maximum(mean_w, jnp.finfo(jnp.float32).tiny)  # a batch with no weight: loss 0
+  n = accum * (jax.lax.axis_size(zero.DATA) if zero.DATA in manual else 1)
+  aux = {**aux, WEIGHT: mean_w * n}
+  if grads is None:
+    return loss / denom, aux
+  return loss / denom, aux, jax.tree_util.tree_map(lambda g: g / denom.astype(g.dtype), grads)
 
 
 class Trainer:
@@ -74,7 +97,7 @@ class Trainer:
       self.state_specs["loss_scale"] = {"scale": P(), "good_steps": P()}
       self.state_shardings["loss_scale"] = {k: NamedSharding(mesh, P()) for k in ("scale", "good_steps")}
       self.abstract_state["loss_scale"] = precision.scale_abstract()
-    self._step = None
+    self._steps: dict = {}  # compiled steps by the batch's shapes and dtypes
     self._reorder_fns: dict = {}
 
   # -- state -------------------------------------------------------------------------------------
@@ -219,14 +242,19 @@ class Trainer:
         loss, aux, _ = model.pipeline(params, self._micro(batch), sched, dtype, L.param_dims,
                                       manual, forward_only=True)
       else:
-        loss, aux = model.loss(params, batch, dtype, L.param_dims, manual)
+        loss, aux = _as_float_weight(*model.loss(params, batch, dtype, L.param_dims, manual))
+      weighted = sched is None and WEIGHT in aux
+      if weighted:
+        loss = loss * aux[WEIGHT]
       if data_sharded:
         loss, aux = jax.lax.pmean((loss, aux), zero.DATA)
-      return loss, aux
+      return _unweighted(loss, aux, None, 1, manual) if weighted else (loss, aux)
     return self._sharded(local, params, batch, (P(), P()))
 
   def eval_jitted(self, batch_abstract: Any):
     """`eval_loss` jitted with the state's parameter shardings -> {'loss', **metrics}."""
+    self.check_batch(batch_abstract, accum=False)
+
     def fn(params, batch):
       loss, aux = self.eval_loss(params, batch)
       return {"loss": loss, **aux}
@@ -255,7 +283,9 @@ class Trainer:
           return model.pipeline(params, self._micro(mb), sched, dtype, L.param_dims, manual, scale)
 
         def scaled(p):
-          loss, aux = model.loss(p, mb, dtype, L.param_dims, manual)
+          loss, aux = _as_float_weight(*model.loss(p, mb, dtype, L.param_dims, manual))
+          if WEIGHT in aux:  # this piece's sum, not its mean (see WEIGHT)
+            loss = loss * jax.lax.stop_gradient(aux[WEIGHT])
           return loss * scale, (loss, aux)
         (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
         return loss, aux, grads
@@ -279,8 +309,9 @@ class Trainer:
         loss, aux, grads = jax.tree_util.tree_map(lambda x: x / accum, total)
       if not (isinstance(scale, float) and scale == 1.0):
         grads = jax.tree_util.tree_map(lambda g: g / scale, grads)
+      weighted = sched is None and WEIGHT in aux
       if not data_sharded:  # one data shard: nothing to reduce over `data`
-        return loss, aux, grads
+        return _unweighted(loss, aux, grads, accum, manual) if weighted else (loss, aux, grads)
       if stage < 3:
         grads = zero.scatter_mean(grads, L.dims, scatter=stage == 2)
       else:  # sharded leaves were summed and scattered by the transpose of their all-gathers;
@@ -289,7 +320,7 @@ class Trainer:
         grads = jax.tree_util.tree_map(
             lambda g, d: (g if d >= 0 or vma else jax.lax.psum(g, zero.DATA)) / n, grads, L.dims)
       loss, aux = jax.lax.pmean((loss, aux), zero.DATA)
-      return loss, aux, grads
+      return _unweighted(loss, aux, grads, accum, manual) if weighted else (loss, aux, grads)
 
     return self._sharded(local, params, batch, (P(), P(), L.grads))
 
@@ -374,15 +405,35 @@ class Trainer:
     """The lowered step for abstract inputs (plan.py compiles this without running anything)."""
     # The state's shardings go on the abstract values too: only they, not in_shardings, tell the
     # trace that the offloaded optimizer state is in host memory.
+    self.check_batch(batch_abstract)
     state = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                    self.abstract_state, self.state_shardings)
     with jax.set_mesh(self.mesh):
       return self.jitted(batch_abstract).lower(state, batch_abstract)
 
   def step(self, state: dict, batch: dict) -> tuple[dict, dict]:
-    """Runs one step, compiling on first use."""
-    if self._step is None:
-      abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-      self._step = self.lower(abstract).compile()
+    """Runs one step, compiling on first use of each batch shape (e.g. a shorter last batch)."""
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
+    leaves, tdef = jax.tree_util.tree_flatten(abstract)
+    key = (tdef, tuple((a.shape, a.dtype) for a in leaves))
+    if key not in self._steps:
+      self._steps[key] = self.lower(abstract).compile()
     with jax.set_mesh(self.mesh):
-      return self._step(state, batch)
+      return self._steps[key](state, batch)
+
+  def check_batch(self, batch_abstract: Any, accum: bool = True) -> None:
+    """Every batch leaf's leading axis must split into the data shards, the accumulated
+    microbatches (`accum`) and the schedule's microbatches: else one sentence naming the leaf."""
+    parts = [("data", self.mesh.shape[zero.DATA]),
+             ("grad_accum", self.cfg.train.grad_accum if accum else 1),
+             ("parallel.microbatches", self.schedule.microbatches if self.schedule else 1)]
+    parts = [(name, n) for name, n in parts if n > 1 or name == "data"]
+    need = int(np.prod([n for _, n in parts]))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch_abstract):
+      name = rules.path_str(path)
+      if not leaf.shape:
+        raise ConfigError(f"batch leaf {name!r} is a scalar; every batch leaf needs a leading "
+                          f"batch axis, which the trainer splits over data")
+      if leaf.shape[0] % need:
+        raise ConfigError(f"batch leaf {name!r} has {leaf.shape[0]} examples, not divisible by "
+                          + " x ".join(f"{n}={k}" for n, k in parts))
