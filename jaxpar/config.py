@@ -130,10 +130,12 @@ _POSITIVE = ("model.n_layers", "model.d_model", "model.n_heads", "model.d_ff", "
              "model.seq_len", "model.num_classes", "train.steps", "train.batch_size",
              "train.grad_accum", "train.log_every",
              "parallel.virtual_stages", "checkpoint.keep", "precision.initial_scale",
-             "precision.growth_interval")
+             "precision.growth_interval", "precision.min_scale", "model.norm_eps", "model.rope_theta")
+_BELOW_ONE = ("train.b1", "train.b2")  # in [0, 1): Adam's betas
+_FRACTION = ("train.min_lr_ratio",)  # in [0, 1]: the final learning rate, a fraction of the peak
 _NON_NEGATIVE = ("model.n_kv_heads", "model.max_positions", "parallel.microbatches", "train.warmup_steps", "train.weight_decay", "train.clip_norm",
                  "checkpoint.every", "data.max_bytes", "train.lr", "data.workers",
-                 "train.eval_every", "train.eval_steps", "precision.min_scale")
+                 "train.eval_every", "train.eval_steps")
 
 
 def _field_types(cls) -> dict[str, Any]:
@@ -211,6 +213,10 @@ def validate(cfg: Config) -> Config:
   for key in _NON_NEGATIVE:
     if get(cfg, key) < 0:
       raise ConfigError(f"config key {key}={get(cfg, key)} must not be negative")
+  for key in _BELOW_ONE + _FRACTION:
+    value = get(cfg, key)
+    if not (0 <= value < 1 or (key in _FRACTION and value == 1)):
+      raise ConfigError(f"config key {key}={value} must be in {'[0, 1]' if key in _FRACTION else '[0, 1)'}")
   if cfg.parallel.zero_stage not in (0, 1, 2, 3):
     raise ConfigError(f"config key parallel.zero_stage={cfg.parallel.zero_stage} must be 0, 1, 2 or 3")
   _check_loss_scale(cfg.precision)
@@ -246,6 +252,9 @@ def _check_loss_scale(pc: PrecisionConfig) -> None:
                         f"number or dynamic")
   if not 0 < pc.backoff < 1:
     raise ConfigError(f"config key precision.backoff={pc.backoff} must be between 0 and 1")
+  if pc.min_scale > pc.initial_scale:
+    raise ConfigError(f"config key precision.min_scale={pc.min_scale} is above "
+                      f"precision.initial_scale={pc.initial_scale}")
 
 
 def microbatches(cfg: Config, stages: int) -> int:

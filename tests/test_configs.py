@@ -1,5 +1,6 @@
 """Every shipped config loads, validates, and starts with the command that runs it."""
 import pathlib
+import re
 
 import pytest
 
@@ -32,3 +33,19 @@ def test_unknown_section_and_key_fail():
 def test_round_trip_through_dict():
   cfg = config.load(None, ["model.n_layers=3", "parallel.zero_stage=2"])
   assert config.from_dict(config.to_dict(cfg)) == cfg
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.b1=2", "train.b1=2.0 must be in [0, 1)"),
+    ("train.b2=-0.1", "train.b2=-0.1 must be in [0, 1)"),
+    ("train.min_lr_ratio=-1", "train.min_lr_ratio=-1.0 must be in [0, 1]"),
+    ("train.min_lr_ratio=2", "train.min_lr_ratio=2.0 must be in [0, 1]"),
+    ("model.norm_eps=-1", "model.norm_eps=-1.0 must be positive"),
+    ("model.rope_theta=0", "model.rope_theta=0.0 must be positive"),
+    ("precision.min_scale=0", "precision.min_scale=0.0 must be positive"),
+    ("precision.min_scale=1e9", "precision.min_scale=1000000000.0 is above precision.initial_scale"),
+])
+def test_out_of_range_values_are_config_errors(override, message):
+  with pytest.raises(config.ConfigError, match=re.escape(message)):
+    config.load(None, [override])
+  config.load(None, ["train.min_lr_ratio=1", "train.b2=0"])  # the closed ends are fine
