@@ -152,6 +152,9 @@ def layouts(cfg: Config, n: int) -> tuple[list[Layout], list[str]]:
     # A mesh no choice fits is one sentence; otherwise the schedule-specific refusals.
     ruled_out.extend([errors[0][1]] if not allowed else [a + b for a, b in errors])
     out += [Layout(shape, stage, *a) for stage in (range(4) if d > 1 else (0,)) for a in allowed]
+  if not out:
+    raise ConfigError(f"no layout of this model runs on {n} devices: every mesh is ruled out "
+                      f"({'; '.join(ruled_out)})")
   return out, ruled_out
 
 

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import tempfile
 import traceback
 
 from jaxpar import config as jconfig
@@ -11,6 +13,14 @@ from jaxpar import hostmem
 from jaxpar import mesh as jmesh
 from jaxpar.config import ConfigError
 from jaxpar.distributed import DistributedError
+
+
+class Parser(argparse.ArgumentParser):
+  """argparse with its errors as every other bad input: one line on stderr, exit code 2."""
+
+  def error(self, message):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -54,12 +64,61 @@ def check_outputs(*outputs: tuple[str, str | None, str]) -> None:
       parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
       raise ConfigError(f"{flag} {path} cannot be made: {parent} is a file")
+    _check_writable(flag, path, kind, parent)
+
+
+def _check_writable(flag: str, path: str, kind: str, parent: str) -> None:
+  """Tries what the script will do (make an entry in the folder, append to the file) where it is
+  harmless: a scratch entry, removed at once, in the folder itself or its nearest existing one."""
+  where = path if kind == "folder" and os.path.isdir(path) else parent
+  try:
+    if kind == "file" and os.path.isfile(path):
+      open(path, "a").close()  # appends nothing
+    else:
+      os.rmdir(tempfile.mkdtemp(prefix=".jaxpar-check-", dir=where))
+  except OSError as e:
+    raise ConfigError(f"{flag} {path} cannot be written: {e.strerror} in {where}") from None
+
+
+class Interrupted(BaseException):
+  """SIGINT or SIGTERM before the training loop took them over (it stops after a step, saving)."""
+
+  def __init__(self, sig: signal.Signals):
+    super().__init__(sig)
+    self.signal = sig
+
+
+_pending: list[signal.Signals] = []  # signals raised as Interrupted, in case one was swallowed
+
+
+def pending_interrupt() -> signal.Signals | None:
+  """A signal guard's handler took but whose Interrupted may have been lost: Python drops an
+  exception raised while it runs a garbage-collection callback, so the loop asks here too."""
+  return _pending[-1] if _pending else None
+
+
+def _interrupt(signum, frame):
+  _pending.append(signal.Signals(signum))
+  raise Interrupted(signal.Signals(signum))
 
 
 def guard(body, debug: bool) -> int:
-  """Runs body(); bad input becomes one line on stderr and exit code 2."""
+  """Runs body(); bad input becomes one line on stderr and exit code 2; SIGINT or SIGTERM
+  (outside the training loop, which handles them itself) one line and 128 + the signal."""
+  old = {}
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    try:
+      old[sig] = signal.signal(sig, _interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+      pass
   try:
     return body()
+  except Interrupted as e:
+    if debug:
+      traceback.print_exc()
+    print(f"error: stopped by {e.signal.name}; what was complete on disk is kept (a checkpoint "
+          f"is only ever complete or absent)", file=sys.stderr)
+    return 128 + int(e.signal)
   except ConfigError as e:
     if debug:
       traceback.print_exc()
@@ -70,3 +129,7 @@ def guard(body, debug: bool) -> int:
       traceback.print_exc()
     print(f"error: {e}", file=sys.stderr)
     return 1
+  finally:
+    for sig, handler in old.items():
+      signal.signal(sig, handler)
+    _pending.clear()

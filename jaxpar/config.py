@@ -207,6 +207,11 @@ def validate(cfg: Config) -> Config:
     value = get(cfg, key)
     if value not in choices:
       raise ConfigError(f"config key {key}={value!r} is not one of {', '.join(choices)}")
+  for section in dataclasses.fields(cfg):
+    for f in dataclasses.fields(getattr(cfg, section.name)):
+      value = getattr(getattr(cfg, section.name), f.name)
+      if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"config key {section.name}.{f.name}={value} must be a finite number")
   for key in _POSITIVE:
     if get(cfg, key) <= 0:
       raise ConfigError(f"config key {key}={get(cfg, key)} must be positive")
@@ -294,6 +299,11 @@ def _load(cfg: Config, path: str | None, overrides) -> Config:
         raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(tree, dict):
       raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(tree).__name__}")
+    sections = {f.name for f in dataclasses.fields(cfg)}
+    for section, body in tree.items():
+      if section in sections and not isinstance(body, dict):
+        raise ConfigError(f"config file {path}: section {section} must hold a mapping of its "
+                          f"keys, like 'train: {{steps: 10}}', got {body!r}")
     for key, value in _flatten(tree):
       cfg = _apply(cfg, key, value)
   for item in overrides:

@@ -142,8 +142,9 @@ class Sampler:
     """New tokens after `prompt`: [num_samples, max_new_tokens] int32 (separators included)."""
     if max_new_tokens < 0:
       raise ConfigError(f"--max-new-tokens={max_new_tokens} must not be negative")
-    if temperature < 0:
-      raise ConfigError(f"--temperature={temperature} must not be negative (0 = greedy)")
+    if not temperature >= 0 or temperature == float("inf"):  # nan too
+      raise ConfigError(f"--temperature={temperature} must be a finite number, not negative "
+                        f"(0 = greedy)")
     if not 0 <= top_k <= self.codec.vocab:
       raise ConfigError(f"--top-k={top_k} must be between 0 (off) and {self.codec.vocab}")
     if num_samples < 1:

@@ -67,6 +67,8 @@ class _StopFlag:
     self._old = {}
 
   def __enter__(self):
+    from jaxpar.cli import pending_interrupt  # a signal that reached startup but was lost there
+    self.requested = pending_interrupt()
     for sig in (signal.SIGTERM, signal.SIGINT):
       try:
         self._old[sig] = signal.signal(sig, self._handle)

@@ -3,7 +3,6 @@
 Hugging Face folder, config.json + model.safetensors, for `from_pretrained`)."""
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -16,7 +15,7 @@ from jaxpar import cli
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__)
+  p = cli.Parser(description=__doc__)
   p.add_argument("--workdir", required=True, help="the training run's workdir")
   p.add_argument("--step", type=int, help="checkpoint step (default: the latest complete one)")
   out = p.add_mutually_exclusive_group(required=True)

@@ -2,7 +2,6 @@
 [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S] [--mesh DxMxP] [--step N]."""
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -16,7 +15,7 @@ from jaxpar import mesh as jmesh
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__)
+  p = cli.Parser(description=__doc__)
   p.add_argument("--workdir", required=True, help="the training run's workdir")
   p.add_argument("--prompt", default="", help="text the sample continues (a document's start)")
   p.add_argument("--max-new-tokens", type=int, default=200, help="bytes to sample")

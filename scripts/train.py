@@ -1,7 +1,6 @@
 """Train a model on a DxMxP mesh: python scripts/train.py --mesh 2x4x1 [--config F] [--set k=v ...]."""
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -14,7 +13,7 @@ from jaxpar import cli, distributed
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__)
+  p = cli.Parser(description=__doc__)
   cli.add_common(p)
   p.add_argument("--steps", type=int, help="total steps (overrides train.steps)")
   p.add_argument("--workdir", default="workdir", help="checkpoints, TensorBoard, built data")

@@ -28,6 +28,7 @@ BAD = [
     (["--mesh", "1x1x1", "--set", "train.steps=many"], "train.steps must be of type int"),
     (["--mesh", "1x1x1", "--set", "parallel.zero_stage=5"], "parallel.zero_stage=5 must be 0, 1, 2 or 3"),
     (["--mesh", "1x1x1", "--set", "train.lr=-1"], "train.lr=-1.0 must not be negative"),
+    (["--mesh", "1x1x1", "--set", "train.lr=nan"], "train.lr=nan must be a finite number"),
     (["--mesh", "1x1x1", "--config", "no/such/file.yaml"], "config file no/such/file.yaml does not exist"),
     (["--mesh", "1x1x1", "--set", "precision.compute_dtype=fp8"], "is not one of"),
     (["--mesh", "1x1x3"], "model.n_layers=4 is not divisible by 3 pipeline stages"),
@@ -81,13 +82,24 @@ def test_output_paths_taken_by_the_other_kind_are_refused_before_any_work(tmp_pa
            (["--workdir", str(tmp_path / "wd"), "--metrics-file", str(tmp_path)],
             f"--metrics-file {tmp_path} is a folder"),
            (["--workdir", str(tmp_path / "wd"), "--metrics-file", str(a_file / "m.jsonl")],
-            f"cannot be made: {a_file} is a file")]
+            f"cannot be made: {a_file} is a file"),
+           # places that refuse new entries (as root too): tried before any work, not at the end
+           (["--workdir", "/proc/jaxpar_wd"], "--workdir /proc/jaxpar_wd cannot be written"),
+           (["--workdir", str(tmp_path / "wd"), "--metrics-file", "/proc/jaxpar_m.jsonl"],
+            "--metrics-file /proc/jaxpar_m.jsonl cannot be written")]
   for args, message in cases:
     r = train("--mesh", "1x1x1", *args, "--set", "data.source=synthetic", "--no-progress")
     assert r.returncode == 2, r.stderr
     lines = [l for l in r.stderr.splitlines() if l.startswith("error:")]
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in r.stderr, r.stderr
   assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"] and a_file.read_text() == "mine"
+
+
+def test_a_bad_flag_is_one_line_not_the_usage(tmp_path):
+  r = train("--steps", "abc", "--workdir", str(tmp_path / "wd"))
+  assert r.returncode == 2
+  assert r.stderr.splitlines() == ["error: argument --steps: invalid int value: 'abc'"]
+  assert not (tmp_path / "wd").exists()
 
 
 def test_mesh_larger_than_devices_is_exit_2(tmp_path):

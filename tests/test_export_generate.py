@@ -91,8 +91,10 @@ def test_generate_bad_input_is_exit_2(run, tmp_path):
   assert [l for l in r.stderr.splitlines() if l.startswith("error:")] == [
       f"error: workdir {tmp_path / 'none'} holds no complete checkpoint "
       f"(looked in {tmp_path / 'none' / 'checkpoints'})"]
-  with pytest.raises(config.ConfigError, match="--temperature=-1.0 must not be negative"):
-    generate.Sampler(str(run["workdir"]), (8, 1, 1)).sample("x", 4, temperature=-1.0)
+  sampler = generate.Sampler(str(run["workdir"]), (8, 1, 1))
+  for t in (-1.0, float("nan"), float("inf")):
+    with pytest.raises(config.ConfigError, match=f"--temperature={t} must be a finite number, not negative"):
+      sampler.sample("x", 4, temperature=t)
 
 
 def test_export_writes_every_parameter_unsharded(run, tmp_path):

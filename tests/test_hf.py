@@ -148,6 +148,7 @@ def test_round_trip_loads_in_transformers_with_the_same_logits(folders, tmp_path
   hf.export(str(tmp_path / "wd"), str(out))
   m, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True,
                                                              dtype=torch.float32)
+  assert m.config.eos_token_id == m.config.bos_token_id == 0  # byte tokens: the separator
   assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
   toks = tokens()[:, :-1]
   with torch.no_grad():
@@ -188,6 +189,7 @@ def test_fine_tune_from_a_folder_trains(folders, tmp_path):
   assert r.returncode == 0, r.stderr
   m, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
   assert not info["missing_keys"] and not info["unexpected_keys"]
+  assert m.config.eos_token_id == m.config.bos_token_id == 2  # the folder tokenizer's end of text
 
 
 @pytest.mark.parametrize("breakage,words", [

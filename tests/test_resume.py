@@ -262,3 +262,35 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsy
   again = rows(metrics)[-1]
   assert again["final"] and again["steps"] == 12
   assert again["skipped_steps"] == len([r for r in rows(metrics) if r.get("skipped")])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_before_the_training_loop_is_one_line_and_exit_128_plus_it(capsys, sig):
+  from jaxpar import cli
+
+  def body():  # startup (JAX, data, compile): the training loop has not taken the signals yet
+    os.kill(os.getpid(), sig)
+    time.sleep(10)
+    return 0
+  assert cli.guard(body, debug=False) == 128 + sig
+  assert capsys.readouterr().err.splitlines() == [
+      f"error: stopped by {sig.name}; what was complete on disk is kept (a checkpoint is only "
+      f"ever complete or absent)"]
+  assert signal.getsignal(sig) is not cli._interrupt  # the handler before guard is back
+
+
+def test_a_signal_lost_during_startup_still_stops_the_run_after_its_first_step(tmp_path):
+  # Python drops an exception raised while it runs a garbage-collection callback; the signal
+  # guard took is still pending, so the loop stops (and saves) as if it had come in its first step.
+  from jaxpar import cli
+
+  def body():
+    try:
+      cli._interrupt(signal.SIGINT, None)
+    except cli.Interrupted:
+      pass
+    result, logged = run(tmp_path / "wd", steps=50)
+    assert result.steps == 1 and "received SIGINT: saved a checkpoint at step 1" in logged
+    return 0
+  assert cli.guard(body, debug=False) == 0
+  assert latest_step(tmp_path / "wd")[0] == 1

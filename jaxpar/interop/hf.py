@@ -192,6 +192,9 @@ def hf_config(mc, cfg) -> dict:
   """config.json for jaxpar's model config `mc` in the Hugging Face layout it came from."""
   common = {"vocab_size": mc.vocab_size, "tie_word_embeddings": mc.tie_embeddings,
             "dtype": cfg.precision.param_dtype}
+  from jaxpar.generate import Codec  # documents end with the run's separator byte or its
+  eos = Codec(cfg).eos  # tokenizer's end-of-text id (transformers' GPT-2 default 50256 is neither)
+  common.update(bos_token_id=eos, eos_token_id=eos)
   if mc.kind == "gpt":
     return {"architectures": [GPT2], "model_type": "gpt2", "n_layer": mc.n_layers,
             "n_embd": mc.d_model, "n_head": mc.n_heads, "n_inner": mc.d_ff,
