@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from jaxpar import autoplan, config
+from jaxpar.config import ConfigError
 from conftest import FAST_XLA
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,3 +102,9 @@ def test_cli_device_kinds_are_autoplans():
   script = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(script)
   assert script.autoplan_kinds() == autoplan.DEVICE_KINDS
+
+
+def test_no_layout_on_the_devices_is_a_config_error():
+  with pytest.raises(ConfigError, match=r"no layout of this model runs on 7 devices: every mesh is "
+                                        r"ruled out \(mesh 7x1x1 .*not divisible by data=7"):
+    autoplan.layouts(config.load(), 7)

@@ -49,3 +49,11 @@ def test_out_of_range_values_are_config_errors(override, message):
   with pytest.raises(config.ConfigError, match=re.escape(message)):
     config.load(None, [override])
   config.load(None, ["train.min_lr_ratio=1", "train.b2=0"])  # the closed ends are fine
+
+
+def test_a_section_that_is_not_a_mapping_says_so(tmp_path):
+  f = tmp_path / "c.yaml"
+  f.write_text("train: 5\n")
+  with pytest.raises(config.ConfigError, match=re.escape(
+      f"config file {f}: section train must hold a mapping of its keys, like 'train: {{steps: 10}}', got 5")):
+    config.load(str(f))
