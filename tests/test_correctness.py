@@ -20,12 +20,6 @@ def first_grads(cfg, shape, data):
   return jax.device_get(m["grads"])
 
 
-def rel_err(got, want):
-  g, w = (np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree_util.tree_leaves(t)])
-          for t in (got, want))
-  return np.linalg.norm(g - w) / np.linalg.norm(w)
-
-
 @pytest.mark.parametrize("shape", [(1, 1, 2), (2, 1, 2)], ids=["1x1x2", "2x1x2"])
 def test_fp16_loss_scale_reaches_the_backward(shape):
   """float16 compute: a loss scale must make the gradients closer to float32's (it keeps small
@@ -36,7 +30,7 @@ def test_fp16_loss_scale_reaches_the_backward(shape):
   cfg32 = eq.make_cfg(*extra)
   data = eq.batches(cfg32, 1)
   ref = first_grads(cfg32, shape, data)
-  err = {s: rel_err(first_grads(eq.make_cfg(*extra, "precision.compute_dtype=float16",
+  err = {s: eq.rel_err(first_grads(eq.make_cfg(*extra, "precision.compute_dtype=float16",
                                             f"precision.loss_scale={s}"), shape, data), ref)
          for s in (1.0, 65536.0)}
   assert err[65536.0] < 0.75 * err[1.0], err

@@ -58,6 +58,13 @@ def train(cfg, shape, data):
   return np.array(losses), jax.device_get(t.to_logical(state)["params"]), grads
 
 
+def rel_err(got, want):
+  """|got - want| / |want| over all leaves of two trees, as one float64 vector each."""
+  g, w = (np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree_util.tree_leaves(t)])
+          for t in (got, want))
+  return np.linalg.norm(g - w) / np.linalg.norm(w)
+
+
 def assert_trees_close(got, want, what):
   flat_w = dict(jax.tree_util.tree_leaves_with_path(want))
   for path, g in jax.tree_util.tree_leaves_with_path(got):

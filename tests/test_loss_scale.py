@@ -48,12 +48,6 @@ def scaled_run(shape, *extra):
           jax.device_get(state["loss_scale"]), jax.device_get(t.to_logical(state)["params"]))
 
 
-def rel_err(got, want):
-  g, w = (np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree_util.tree_leaves(t)])
-          for t in (got, want))
-  return np.linalg.norm(g - w) / np.linalg.norm(w)
-
-
 @pytest.fixture(scope="module")
 def reference():
   return scaled_run((1, 1, 1))
@@ -97,8 +91,8 @@ def test_pipeline_with_zero3_2x1x2_matches_one_device(reference):
   assert [r["loss_scale"] for r in rows] == SCALES and float(final["scale"]) == 2.0 ** 16
   jax.tree_util.tree_map(np.testing.assert_array_equal, after["params"], before["params"])
   np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in ref_rows], rtol=2e-3)
-  assert rel_err(grads, ref_grads) < 5e-3
-  assert rel_err(params, ref_params) < 2e-2
+  assert eq.rel_err(grads, ref_grads) < 5e-3
+  assert eq.rel_err(params, ref_params) < 2e-2
 
 
 def test_float16_50_steps_tracks_float32():

@@ -11,6 +11,8 @@ from flax import nnx
 import jaxpar
 from jaxpar import rules
 
+import test_equivalence as eq
+
 V, D, F, T, B = 32, 16, 64, 8, 16
 
 
@@ -61,12 +63,6 @@ def first_step(mesh, *overrides):
   return params, float(m["loss"]), eval_loss, float(m["loss_weight"]), jax.device_get(m["grads"])
 
 
-def rel(got, want):
-  g, w = (np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree_util.tree_leaves(t)])
-          for t in (got, want))
-  return np.linalg.norm(g - w) / np.linalg.norm(w)
-
-
 @pytest.fixture(scope="module")
 def one_device():
   return first_step("1x1x1")
@@ -97,7 +93,7 @@ def test_a_weighted_loss_and_its_gradients_match_one_device(one_device, mesh, ov
   assert abs(loss - want_loss) <= 1e-5 * abs(want_loss)
   assert abs(eval_loss - want_loss) <= 1e-5 * abs(want_loss)
   assert weight == want_weight
-  assert rel(grads, want_grads) <= 1e-5
+  assert eq.rel_err(grads, want_grads) <= 1e-5
 
 
 def test_batches_the_mesh_cannot_split_are_one_sentence():
