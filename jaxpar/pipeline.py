@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar import zero
 from jaxpar.config import ConfigError
 
 IDLE, FWD, BWD = 0, 1, 2
@@ -309,5 +310,5 @@ def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, lo
   (_, _, _, g_layers, g_top, loss), _ = jax.lax.scan(tick, init, jnp.arange(sched.ticks))
   if forward_only:
     return jax.lax.psum(loss, PIPE), None, None
-  loss, g_top = jax.lax.psum((loss, g_top), PIPE)
-  return loss, g_layers, g_top
+  g_top = jax.tree_util.tree_map(zero.in_float32(lambda g: jax.lax.psum(g, PIPE)), g_top)
+  return jax.lax.psum(loss, PIPE), g_layers, g_top

@@ -274,8 +274,12 @@ class Trainer:
     vma = sched is None
 
     def local(params, batch):
-      if stage < 3 and data_sharded and vma:  # differentiate a per-shard copy: the reduction
-        params = jax.lax.pcast(params, zero.DATA, to="varying")  # below is then the only one
+      if data_sharded and vma:  # differentiate a per-shard copy: the reduction below is then the
+        # only one, in float32 (zero.in_float32). At stage 3 that is the leaves too small to
+        # shard; the others are summed by the transpose of their all-gathers.
+        params = jax.tree_util.tree_map(
+            lambda x, d: x if stage == 3 and d >= 0 else jax.lax.pcast(x, zero.DATA, to="varying"),
+            params, L.dims)
 
       def one(mb):  # -> (loss, metrics, grads) of one microbatch of this shard
         if sched is not None:
@@ -294,16 +298,13 @@ class Trainer:
       else:  # accumulate over microbatches in one scan: memory of one microbatch
         micro = jax.tree_util.tree_map(
             lambda x: x.reshape((accum, x.shape[0] // accum) + x.shape[1:]), batch)
-        # The accumulator must vary over `data` exactly where one microbatch's result does: the
-        # loss and gradients of per-shard copies (stage < 3) or of gathered shards vary, while at
-        # stage 3 the gradient of a leaf too small to shard comes out of jax.grad already summed.
-        def zeros_like(a, varying=True):
+        # The accumulator varies over `data` as one microbatch's result does: everything does
+        # (per-shard copies, gathered shards).
+        def zeros_like(a):
           z = jnp.zeros(a.shape, a.dtype)
-          return jax.lax.pcast(z, zero.DATA, to="varying") if varying and data_sharded and vma else z
-        loss0, aux0, grads0 = jax.eval_shape(one, jax.tree_util.tree_map(lambda x: x[0], micro))
-        zeros = (zeros_like(loss0), jax.tree_util.tree_map(zeros_like, aux0),
-                 jax.tree_util.tree_map(lambda a, d: zeros_like(a, stage < 3 or d >= 0),
-                                        grads0, L.dims))
+          return jax.lax.pcast(z, zero.DATA, to="varying") if data_sharded and vma else z
+        zeros = jax.tree_util.tree_map(
+            zeros_like, jax.eval_shape(one, jax.tree_util.tree_map(lambda x: x[0], micro)))
         total, _ = jax.lax.scan(
             lambda acc, mb: (jax.tree_util.tree_map(jnp.add, acc, one(mb)), None), zeros, micro)
         loss, aux, grads = jax.tree_util.tree_map(lambda x: x / accum, total)
@@ -315,10 +316,10 @@ class Trainer:
       if stage < 3:
         grads = zero.scatter_mean(grads, L.dims, scatter=stage == 2)
       else:  # sharded leaves were summed and scattered by the transpose of their all-gathers;
-        # leaves too small to shard were summed by the vma transpose (jax.grad) or are summed here
+        # leaves too small to shard are summed here
         n = jax.lax.axis_size(zero.DATA)
-        grads = jax.tree_util.tree_map(
-            lambda g, d: (g if d >= 0 or vma else jax.lax.psum(g, zero.DATA)) / n, grads, L.dims)
+        total = zero.in_float32(lambda g: jax.lax.psum(g, zero.DATA))
+        grads = jax.tree_util.tree_map(lambda g, d: (g if d >= 0 else total(g)) / n, grads, L.dims)
       loss, aux = jax.lax.pmean((loss, aux), zero.DATA)
       return _unweighted(loss, aux, grads, accum, manual) if weighted else (loss, aux, grads)
 

@@ -10,6 +10,7 @@ Offload keeps the optimizer state in host memory (`pinned_host`) and updates it 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,8 +123,24 @@ def gather(tree: Any, dims: Any | None) -> Any:
   if dims is None:
     return tree
   return jax.tree_util.tree_map(
-      lambda x, d: x if d < 0 else checkpoint_name(
-          jax.lax.all_gather(x, DATA, axis=d, tiled=True), GATHERED), tree, dims)
+      lambda x, d: x if d < 0 else checkpoint_name(_all_gather(x, d), GATHERED), tree, dims)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _all_gather(x, d):
+  """all_gather over `data` along `d`; its transpose reduce-scatters in float32 (in_float32)."""
+  return jax.lax.all_gather(x, DATA, axis=d, tiled=True)
+
+
+def _all_gather_fwd(x, d):
+  return _all_gather(x, d), None
+
+
+def _all_gather_bwd(d, _, g):
+  return (in_float32(lambda y: jax.lax.psum_scatter(y, DATA, scatter_dimension=d, tiled=True))(g),)
+
+
+_all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
 
 
 def regather(fn):
@@ -166,9 +183,21 @@ def scatter_mean(grads: Any, dims: Any, scatter: bool) -> Any:
 
   def one(g, d):
     if scatter and d >= 0:
-      return jax.lax.psum_scatter(g, DATA, scatter_dimension=d, tiled=True) / n
-    return jax.lax.psum(g, DATA) / n
+      return in_float32(lambda x: jax.lax.psum_scatter(x, DATA, scatter_dimension=d, tiled=True)
+                        / n)(g)
+    return in_float32(lambda x: jax.lax.psum(x, DATA) / n)(g)
   return jax.tree_util.tree_map(one, grads, dims)
+
+
+def in_float32(reduce):
+  """`reduce` (a sum over devices) run on a half-precision gradient in float32, the result cast
+  back: a bfloat16 sum over many devices loses the small terms (XLA:CPU also aborts compiling a
+  bfloat16 all-reduce of this step)."""
+  def run(g):
+    if jnp.issubdtype(g.dtype, jnp.floating) and jnp.finfo(g.dtype).bits < 32:
+      return reduce(g.astype(jnp.float32)).astype(g.dtype)
+    return reduce(g)
+  return run
 
 
 # -- optimizer offload -----------------------------------------------------------------------------

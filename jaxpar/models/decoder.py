@@ -123,7 +123,7 @@ def _varying(w, manual):
 
 def _weight_grad_sum(dw, manual):
   """A weight gradient summed over the batch's shards where this shard_map holds them."""
-  return dw if DATA in manual else jax.lax.psum(dw, DATA)
+  return dw if DATA in manual else zero.in_float32(lambda g: jax.lax.psum(g, DATA))(dw)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
