@@ -6,7 +6,7 @@ reach the trainer the same way, so the rules, ZeRO and the step treat them alike
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
 import jax
@@ -32,9 +32,23 @@ class ModelDef:
   pipeline: Callable[..., tuple[jax.Array, dict, Any]] | None = None
 
 
-def _cast(params, dtype):
+def cast(params, dtype):
+  """Float leaves of `params` in `dtype`; the others as they are."""
   return jax.tree_util.tree_map(
       lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+def stored_as(model: ModelDef, dtype) -> ModelDef:
+  """`model` whose parameters are created (and described) in `dtype`: the trainer's storage
+  dtype, `precision.param_dtype`, for jaxpar's models and a user's alike. Non-float leaves keep
+  theirs."""
+  def as_dtype(a):
+    if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != dtype:
+      return jax.ShapeDtypeStruct(a.shape, dtype)
+    return a
+  init = model.init
+  return replace(model, init=lambda key: cast(init(key), dtype),
+                 abstract=jax.tree_util.tree_map(as_dtype, model.abstract))
 
 
 def _logical_from(abstract, annotated, path_rules):
@@ -79,7 +93,7 @@ def from_nnx(factory: Callable[..., Any], loss_fn: LossFn, input_key: str = "x",
       return nnx.to_pure_dict(nnx.state(factory(nnx.Rngs(key)), nnx.Param))
 
   def loss(params, batch, dtype=jnp.float32, dims=None, manual=frozenset()):
-    params = _cast(zero.gather(params, dims), dtype)
+    params = cast(zero.gather(params, dims), dtype)
     return loss_fn(nnx.merge(graphdef, params)(batch[input_key].astype(dtype)
                                                if jnp.issubdtype(batch[input_key].dtype, jnp.floating)
                                                else batch[input_key]), batch)
@@ -110,7 +124,7 @@ def from_linen(module: Any, example_input: Any, loss_fn: LossFn, input_key: str 
     return nn.unbox(module.init(key, example_input)["params"])
 
   def loss(params, batch, dtype=jnp.float32, dims=None, manual=frozenset()):
-    params = _cast(zero.gather(params, dims), dtype)
+    params = cast(zero.gather(params, dims), dtype)
     x = batch[input_key]
     x = x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
     return loss_fn(module.apply({"params": params}, x), batch)

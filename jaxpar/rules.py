@@ -125,6 +125,11 @@ def param_specs(abstract: Any, logical: Any, mesh, rules=RULES) -> Any:
       raise ConfigError(f"parameter {path_str(path)} has logical axes {tuple(axes)}, which put "
                         f"one mesh axis on two of its dimensions ({spec}); give one of them a "
                         f"logical axis that is not split the same way (e.g. 'embed')")
+    if "data" in [n for a in used for n in (a if isinstance(a, tuple) else (a,))]:
+      raise ConfigError(f"parameter {path_str(path)} has logical axes {tuple(axes)}, which split "
+                        f"it over the mesh axis 'data' ({spec}); parameters are split over data "
+                        f"only by ZeRO (parallel.zero_stage), so give that dimension a logical "
+                        f"axis the rules do not map to data (e.g. 'embed' or None)")
     check_divisible(path_str(path), leaf.shape, spec, mesh)
     return spec
   return jax.tree_util.tree_map_with_path(one, abstract, logical,

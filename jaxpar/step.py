@@ -21,12 +21,15 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import optim, pipeline, precision, rules, zero
 from jaxpar.config import Config, ConfigError, microbatches
+from jaxpar import model as jmodel
 from jaxpar.model import ModelDef
 
 PIPE = "pipeline"
 # A loss_fn metric with this name is the loss's denominator in its piece of the batch (e.g. the
 # unmasked tokens of a masked mean). Pieces (data shards, accumulated microbatches) then combine
-# as sum(weight * loss) / sum(weight), the global batch's loss, instead of a mean of their means.
+# as sum(weight * loss) / sum(weight), the global batch's loss, instead of a mean of their means,
+# and so do the other float metrics (each taken as a mean over its piece). Without it every
+# metric is a plain mean over the pieces, which are equal in size.
 WEIGHT = "loss_weight"
 
 
@@ -35,20 +38,44 @@ def _manual_only(spec: P, manual: frozenset) -> P:
   return P(*(a if a in manual else None for a in spec))
 
 
+# What the step reports itself; loss_fn's metrics may not take these names.
+STEP_METRICS = ("loss", "grad_norm", "learning_rate", "grads", "skipped", "loss_scale")
+
+
 def _as_float_weight(loss, aux):
-  """(loss, metrics) with the WEIGHT metric, if any, in float32 (a count may come as an int)."""
+  """(loss, metrics) of loss_fn, the WEIGHT metric, if any, in float32 (a count may come as an
+  int); a metric named like one of the step's own is refused."""
+  taken = sorted(set(aux) & set(STEP_METRICS))
+  if taken:
+    raise ConfigError(f"loss_fn returns the metric(s) {', '.join(map(repr, taken))}, a name the "
+                      f"step reports itself ({', '.join(STEP_METRICS)}); rename it")
   if WEIGHT in aux:
     aux = {**aux, WEIGHT: jnp.asarray(aux[WEIGHT], jnp.float32)}
   return loss, aux
 
 
+def _is_float(v) -> bool:
+  return jnp.issubdtype(jnp.result_type(v), jnp.floating)
+
+
+def _weighed(loss, aux):
+  """One piece's loss and float metrics (its means) times its weight: its sums. A piece of
+  weight 0 adds 0 even where its own mean is 0/0; the gradient of such a mean is still NaN, so
+  loss_fn must keep a piece with nothing in it finite (divide by max(weight, 1))."""
+  w = jax.lax.stop_gradient(aux[WEIGHT])
+  times_w = lambda v: jnp.where(w > 0, v * w, jnp.zeros_like(v))
+  return times_w(loss), {k: times_w(v) if k != WEIGHT and _is_float(v) else v
+                         for k, v in aux.items()}
+
+
 def _unweighted(loss, aux, grads, accum: int, manual: frozenset):
-  """Means over the pieces of sum(weight * loss) (and its gradients) and of the weights -> the
-  loss (and gradients) of the whole batch; the logged weight becomes the batch's total."""
+  """Means over the pieces of the weighed sums (loss, float metrics, gradients) and of the
+  weights -> the whole batch's weighted means; the logged weight becomes the batch's total."""
   mean_w = aux[WEIGHT]
   denom = jnp.maximum(mean_w, jnp.finfo(jnp.float32).tiny)  # a batch with no weight: loss 0
   n = accum * (jax.lax.axis_size(zero.DATA) if zero.DATA in manual else 1)
-  aux = {**aux, WEIGHT: mean_w * n}
+  aux = {k: v / denom if k != WEIGHT and _is_float(v) else v for k, v in aux.items()}
+  aux[WEIGHT] = mean_w * n
   if grads is None:
     return loss / denom, aux
   return loss / denom, aux, jax.tree_util.tree_map(lambda g: g / denom.astype(g.dtype), grads)
@@ -58,6 +85,8 @@ class Trainer:
   """Shardings, init and step for one model on one mesh under one config."""
 
   def __init__(self, cfg: Config, mesh, model: ModelDef, expose_grads: bool = False):
+    # parameters are stored in precision.param_dtype whatever dtype the model creates them in
+    model = jmodel.stored_as(model, precision.param_dtype(cfg.precision))
     self.cfg, self.mesh, self.model = cfg, mesh, model
     self.expose_grads = expose_grads  # step metrics carry the reduced gradients (for tests)
     pc = cfg.parallel
@@ -114,7 +143,8 @@ class Trainer:
     """A new train state (step 0, fresh optimizer) around given parameters in the model's own
     layer order, e.g. imported ones; `params` already carry the parameter shardings."""
     def init_fn(params):
-      params = self._reorder(params, self.layer_order)
+      params = self._reorder(jmodel.cast(params, precision.param_dtype(self.cfg.precision)),
+                             self.layer_order)
       return self._new_state(params)
     with jax.set_mesh(self.mesh):
       return jax.jit(init_fn, out_shardings=self.state_shardings, donate_argnums=0)(params)
@@ -245,7 +275,7 @@ class Trainer:
         loss, aux = _as_float_weight(*model.loss(params, batch, dtype, L.param_dims, manual))
       weighted = sched is None and WEIGHT in aux
       if weighted:
-        loss = loss * aux[WEIGHT]
+        loss, aux = _weighed(loss, aux)
       if data_sharded:
         loss, aux = jax.lax.pmean((loss, aux), zero.DATA)
       return _unweighted(loss, aux, None, 1, manual) if weighted else (loss, aux)
@@ -288,8 +318,8 @@ class Trainer:
 
         def scaled(p):
           loss, aux = _as_float_weight(*model.loss(p, mb, dtype, L.param_dims, manual))
-          if WEIGHT in aux:  # this piece's sum, not its mean (see WEIGHT)
-            loss = loss * jax.lax.stop_gradient(aux[WEIGHT])
+          if WEIGHT in aux:  # this piece's sums, not its means (see WEIGHT)
+            loss, aux = _weighed(loss, aux)
           return loss * scale, (loss, aux)
         (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
         return loss, aux, grads
@@ -419,6 +449,9 @@ class Trainer:
     key = (tdef, tuple((a.shape, a.dtype) for a in leaves))
     if key not in self._steps:
       self._steps[key] = self.lower(abstract).compile()
+    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree_util.tree_leaves(state)):
+      raise ValueError("this state was consumed by an earlier step (the step donates its input "
+                       "state to reuse the memory); pass the state that step returned")
     with jax.set_mesh(self.mesh):
       return self._steps[key](state, batch)
 
