@@ -8,6 +8,7 @@ next run deletes it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -183,6 +184,34 @@ class Checkpointer:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+@contextlib.contextmanager
+def readable(directory: str, step: int, remedy: str):
+  """Reads of checkpoint `step` inside the block that fail (a step folder damaged by hand, or
+  removed by a running job's rotation while it was read) become one ConfigError sentence naming
+  the step and ending in `remedy`, which may use {older} (the newest step before it, or 'none')
+  and {path} (the step's folder)."""
+  try:
+    yield
+  except ConfigError:
+    raise
+  except Exception as e:  # orbax and the file system raise many kinds; the user needs one line
+    detail = (str(e).strip().splitlines() or [""])[0][:160]
+    older = [n for n in _steps_on_disk(directory) if n < step]
+    raise ConfigError(
+        f"the checkpoint of step {step} in {directory} cannot be read ({type(e).__name__}: "
+        f"{detail}): it is damaged, or was removed while being read; "
+        + remedy.format(older=older[-1] if older else "none",
+                        path=os.path.join(directory, str(step)))) from e
+
+
+def _steps_on_disk(directory: str) -> list[int]:
+  """The step folders' numbers (complete or not), ascending; no orbax involved."""
+  try:
+    return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+  except OSError:
+    return []
 
 
 def _step_dir(directory: str, step: int | None) -> str:

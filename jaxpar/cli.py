@@ -102,9 +102,13 @@ def _interrupt(signum, frame):
   raise Interrupted(signal.Signals(signum))
 
 
-def guard(body, debug: bool) -> int:
+def guard(body, debug: bool, exit_on_signal: bool = False) -> int:
   """Runs body(); bad input becomes one line on stderr and exit code 2; SIGINT or SIGTERM
-  (outside the training loop, which handles them itself) one line and 128 + the signal."""
+  (outside the training loop, which handles them itself) one line and 128 + the signal.
+
+  `exit_on_signal` (the scripts): after a signal the process ends there, without the
+  interpreter's teardown, which could crash (exit 139) freeing a compile the signal cut short;
+  before the training loop nothing is left to finish on disk."""
   old = {}
   for sig in (signal.SIGINT, signal.SIGTERM):
     try:
@@ -118,6 +122,10 @@ def guard(body, debug: bool) -> int:
       traceback.print_exc()
     print(f"error: stopped by {e.signal.name}; what was complete on disk is kept (a checkpoint "
           f"is only ever complete or absent)", file=sys.stderr)
+    if exit_on_signal:
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(128 + int(e.signal))
     return 128 + int(e.signal)
   except ConfigError as e:
     if debug:

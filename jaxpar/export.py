@@ -23,6 +23,10 @@ from jaxpar.rules import path_str
 SUFFIX = ".safetensors"
 
 
+# What export and generate say when the step they read cannot be read (checkpoint.readable).
+STEP_REMEDY = "retry, or pass --step {older} for the step before"
+
+
 def checkpoint_step(workdir: str, step: int | None = None) -> tuple[str, int]:
   """(checkpoint directory, step): `step` or the latest complete one; ConfigError if absent."""
   directory = os.path.join(workdir, "checkpoints")
@@ -114,16 +118,19 @@ def export(workdir: str, out: str, step: int | None = None) -> dict:
   if not out.endswith(SUFFIX):
     raise ConfigError(f"--out {out} must end with {SUFFIX}")
   directory, step = checkpoint_step(workdir, step)
-  # Shapes from the checkpoint's metadata; then one parameter read, written and dropped at a time.
-  shapes = {name: (tuple(m.shape), m.dtype)
-            for name, m in sorted(checkpoint.stored_params(directory, step).items())}
-  cfg = checkpoint.read_extra(directory, step).get("config", {})
-  info = {"jaxpar_version": jaxpar.__version__, "step": step, "model": cfg.get("model", {}),
-          "param_dtype": cfg.get("precision", {}).get("param_dtype"),
-          "n_params": int(sum(np.prod(shape) for shape, _ in shapes.values())),
-          "n_tensors": len(shapes)}
-  write_safetensors(shapes, lambda name: checkpoint.read_param(directory, step, name), out,
-                    {"format": "jaxpar", "jaxpar_version": jaxpar.__version__, "step": str(step)})
+  with checkpoint.readable(directory, step, STEP_REMEDY):
+    # Shapes from the checkpoint's metadata; then one parameter read, written and dropped at a
+    # time.
+    shapes = {name: (tuple(m.shape), m.dtype)
+              for name, m in sorted(checkpoint.stored_params(directory, step).items())}
+    cfg = checkpoint.read_extra(directory, step).get("config", {})
+    info = {"jaxpar_version": jaxpar.__version__, "step": step, "model": cfg.get("model", {}),
+            "param_dtype": cfg.get("precision", {}).get("param_dtype"),
+            "n_params": int(sum(np.prod(shape) for shape, _ in shapes.values())),
+            "n_tensors": len(shapes)}
+    write_safetensors(shapes, lambda name: checkpoint.read_param(directory, step, name), out,
+                      {"format": "jaxpar", "jaxpar_version": jaxpar.__version__,
+                       "step": str(step)})
   with open(config_path(out), "w") as f:
     json.dump(info, f, indent=2)
     f.write("\n")

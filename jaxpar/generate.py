@@ -91,7 +91,8 @@ class Sampler:
                step: int | None = None, overrides=()):
     from jaxpar import loop
     directory, self.step = export.checkpoint_step(workdir, step)
-    stored = checkpoint.read_extra(directory, self.step).get("config")
+    with checkpoint.readable(directory, self.step, export.STEP_REMEDY):
+      stored = checkpoint.read_extra(directory, self.step).get("config")
     if stored is None:
       raise ConfigError(f"the checkpoint of step {self.step} in {directory} has no config")
     self.cfg = _overridden(jconfig.from_dict(stored), overrides)
@@ -101,8 +102,9 @@ class Sampler:
     self.trainer = loop.prepare(self.cfg, mesh_shape)
     self.codec = Codec(self.cfg)
     # The parameters alone, in the checkpoint's (model) order: the optimizer state is never read.
-    self.params = checkpoint.restore_params(directory, self.step, self.trainer.model.abstract,
-                                            self.trainer.state_shardings["params"])
+    with checkpoint.readable(directory, self.step, export.STEP_REMEDY):
+      self.params = checkpoint.restore_params(directory, self.step, self.trainer.model.abstract,
+                                              self.trainer.state_shardings["params"])
     self.mesh = self.trainer.mesh
     self._compiled: dict = {}
 

@@ -146,6 +146,10 @@ def _batch_abstract(element_spec: dict, process_count: int) -> dict:
           for k, (shape, dtype) in element_spec.items()}
 
 
+# What a run whose newest checkpoint cannot be read is told (checkpoint.readable).
+RESUME_REMEDY = "move {path} away to resume from the step before ({older})"
+
+
 def resumable(cfg: Config, ckpt_dir: str) -> int | None:
   """The step of the newest complete checkpoint in `ckpt_dir`, or None.
 
@@ -157,7 +161,8 @@ def resumable(cfg: Config, ckpt_dir: str) -> int | None:
     step = reader.latest_step()
   if step is None:
     return None
-  stored = jckpt.read_extra(ckpt_dir, step).get("config", {})
+  with jckpt.readable(ckpt_dir, step, RESUME_REMEDY):
+    stored = jckpt.read_extra(ckpt_dir, step).get("config", {})
   changed = jconfig.resume_mismatch(stored, cfg)
   if changed:
     raise ConfigError(f"the checkpoint at step {step} in {ckpt_dir} trained a different run "
@@ -225,7 +230,8 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
 
   skipped = [0]  # steps whose update was dropped (train.skip_nonfinite, dynamic loss scaling)
   if start is not None:
-    state, extra = trainer.restore(ckpt, start)  # the loss scale's entry may differ
+    with jckpt.readable(ckpt_dir, start, RESUME_REMEDY):
+      state, extra = trainer.restore(ckpt, start)  # the loss scale's entry may differ
     state = trainer.from_logical(state)
     batches.restore(extra["data"])
     skipped[0] = int(extra.get("skipped_steps", 0))

@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     print(f"wrote {args.out} ({info['n_tensors']} tensors, {info['n_params']:,} parameters, "
           f"step {info['step']}) and {export.config_path(args.out)}")
     return 0
-  return cli.guard(body, args.debug)
+  return cli.guard(body, args.debug, exit_on_signal=True)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
         print("\n" + "-" * 40)
       print(args.prompt + text)
     return 0
-  return cli.guard(body, args.debug)
+  return cli.guard(body, args.debug, exit_on_signal=True)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ def main(argv=None) -> int:
       args.set = deepspeed.cli_overrides(args.deepspeed, args.mesh, args.set,
                                          show=spec.process_id == 0) + args.set
     cli.check_outputs(("--workdir", args.workdir, "folder"),
+                      *(("--workdir", os.path.join(args.workdir, sub), "folder")
+                        for sub in ("checkpoints", "tb")),  # what the run makes inside it
                       ("--metrics-file", args.metrics_file, "file"))
     cfg, shape = cli.setup(args, processes=spec.num_processes)
     distributed.initialize(spec)  # before anything touches the devices
@@ -49,7 +51,7 @@ def main(argv=None) -> int:
       distributed.exit_if_peer_lost(e)
       raise
     return 0 if result.steps else 1
-  return cli.guard(body, args.debug)
+  return cli.guard(body, args.debug, exit_on_signal=True)
 
 
 if __name__ == "__main__":

@@ -213,11 +213,14 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
   assert not [n for n in os.listdir(ckdir) if ".orbax-checkpoint-tmp" in n]  # cleaned by the save
 
 
-def _train_main():
-  spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
+def _script_main(name="train"):
+  spec = importlib.util.spec_from_file_location(f"{name}_script", ROOT / "scripts" / f"{name}.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.main
+
+
+_train_main = _script_main
 
 
 # lr 1e6 without clipping: the loss explodes within a few steps, then the gradient overflows.
@@ -294,3 +297,84 @@ def test_a_signal_lost_during_startup_still_stops_the_run_after_its_first_step(t
     return 0
   assert cli.guard(body, debug=False) == 0
   assert latest_step(tmp_path / "wd")[0] == 1
+
+
+def test_a_signal_during_the_compile_exits_128_plus_it_without_crashing(tmp_path):
+  # The interpreter's teardown after a compile cut short by the signal crashed the one-device
+  # run (exit 139, with the line already printed); the scripts now end at once after the line.
+  env = {k: v for k, v in _env().items() if not k.startswith("JAX_COMPILATION_CACHE")}
+  workdir = tmp_path / "wd"
+  proc = subprocess.Popen(train_args(workdir, tmp_path / "m.jsonl", 1000, *BIG), env=env, cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  wait_until(lambda: workdir.exists(), proc)  # made just before the state and the compile
+  time.sleep(0.3)
+  proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 128 + signal.SIGINT, err
+  assert err.splitlines()[-1].startswith("error: stopped by SIGINT"), err
+  assert not latest_step(workdir)[1]
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+  """A workdir with the checkpoints of steps 4 and 8."""
+  workdir = tmp_path_factory.mktemp("two") / "wd"
+  run(workdir, "checkpoint.every=4", steps=8)
+  assert latest_step(workdir)[1] == [4, 8]
+  return workdir
+
+
+def _truncate(path, size):
+  with open(path, "r+b") as f:
+    f.truncate(size)
+
+
+DAMAGE = {  # what can happen to the newest step folder by hand (or a disk)
+    "no state": lambda step: shutil.rmtree(step / "state"),
+    "no extra": lambda step: shutil.rmtree(step / "extra"),
+    "truncated metadata": lambda step: _truncate(step / "state" / "_METADATA", 100),
+    "truncated data": lambda step: _truncate(max(
+        (p for p in (step / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size), 1000),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_newest_checkpoint_is_one_sentence_naming_it(two_checkpoints, tmp_path, capsys,
+                                                               damage):
+  workdir = tmp_path / "wd"
+  shutil.copytree(two_checkpoints, workdir)
+  DAMAGE[damage](workdir / "checkpoints" / "8")
+  before = sorted(p for p in tmp_path.rglob("*"))
+  ckpts = workdir / "checkpoints"
+  calls = {"export": ["--workdir", workdir, "--out", tmp_path / "x.safetensors"],
+           "export --hf": ["--workdir", workdir, "--hf", tmp_path / "hf"],
+           "generate": ["--workdir", workdir, "--prompt", "a", "--max-new-tokens", "2", "--mesh", "8x1x1"],
+           "train": ["--mesh", "8x1x1", "--workdir", workdir, "--steps", "10", "--no-progress",
+                     "--set", *TINY, "checkpoint.every=4"]}
+  for what, args in calls.items():
+    main = _script_main(what.split()[0])
+    code = main([str(a) for a in args])
+    err = capsys.readouterr().err
+    assert code == 2, (what, err)
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, (what, err)
+    assert err.startswith(f"error: the checkpoint of step 8 in {ckpts} cannot be read ("), (what, err)
+    remedy = ("move {} away to resume from the step before (4)".format(ckpts / "8")
+              if what == "train" else "retry, or pass --step 4 for the step before")
+    assert err.rstrip().endswith(remedy), (what, err)
+    assert sorted(p for p in tmp_path.rglob("*")) == before, what  # nothing written
+  # the step before is whole: exporting it works
+  assert _script_main("export")(["--workdir", str(workdir), "--step", "4",
+                                 "--out", str(tmp_path / "x.safetensors")]) == 0
+
+
+def test_a_file_where_the_run_makes_a_folder_is_refused_before_training(tmp_path, capsys):
+  for sub in ("checkpoints", "tb"):
+    workdir = tmp_path / sub / "wd"
+    workdir.mkdir(parents=True)
+    (workdir / sub).write_text("x")
+    code = _script_main()(["--mesh", "8x1x1", "--workdir", str(workdir), "--steps", "2",
+                           "--no-progress", "--set", *TINY])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip() == (f"error: --workdir {workdir / sub} is a file; it must be "
+                                         f"a folder (made if missing)"), err
+    assert sorted(p.name for p in workdir.iterdir()) == [sub]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Any, Callable
 
 import numpy as np
@@ -238,9 +239,23 @@ def export(workdir: str, out_dir: str, step: int | None = None) -> dict:
   config. Tensors are written one at a time; at most the three q/k/v parameters are held."""
   from jaxpar import checkpoint
   from jaxpar import config as jconfig
-  from jaxpar.export import checkpoint_step, write_safetensors
+  from jaxpar.export import STEP_REMEDY, checkpoint_step
   directory, step = checkpoint_step(workdir, step)
-  cfg = jconfig.from_dict(checkpoint.read_extra(directory, step).get("config", {}))
+  made = not os.path.exists(out_dir)
+  try:
+    with checkpoint.readable(directory, step, STEP_REMEDY):
+      return _export(directory, step, out_dir, jconfig.from_dict(
+          checkpoint.read_extra(directory, step).get("config", {})))
+  except BaseException:
+    if made and os.path.isdir(out_dir):  # nothing half-written: the folder goes with its files
+      shutil.rmtree(out_dir)
+    raise
+
+
+def _export(directory: str, step: int, out_dir: str, cfg) -> dict:
+  """`export` once the step is chosen and its config read."""
+  from jaxpar import checkpoint
+  from jaxpar.export import write_safetensors
   mc = cfg.model
   if mc.kind not in ("gpt", "llama"):
     raise ConfigError(f"model.kind={mc.kind!r} has no Hugging Face layout; gpt and llama do")
