@@ -449,6 +449,9 @@ class Trainer:
     key = (tdef, tuple((a.shape, a.dtype) for a in leaves))
     if key not in self._steps:
       self._steps[key] = self.lower(abstract).compile()
+    if not isinstance(state, dict) or "params" not in state:
+      raise ValueError(f"the state is {type(state).__name__}, not the dict Trainer.init (or "
+                       f"init_with, restore) returns; make one with Trainer.init(seed) first")
     if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree_util.tree_leaves(state)):
       raise ValueError("this state was consumed by an earlier step (the step donates its input "
                        "state to reuse the memory); pass the state that step returned")

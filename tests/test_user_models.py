@@ -200,6 +200,8 @@ def test_a_state_used_twice_is_a_clear_error():
   t.step(state, batch())
   with pytest.raises(ValueError, match=r"this state was consumed by an earlier step"):
     t.step(state, batch())
+  with pytest.raises(ValueError, match=r"the state is NoneType, not the dict Trainer.init"):
+    t.step(None, batch())
 
 
 def test_param_dtype_is_the_storage_of_a_users_model_too():
