@@ -341,6 +341,16 @@ def from_dict(tree: dict[str, Any]) -> Config:
 # (data.workers) do not change the data.
 _WHAT_IS_TRAINED = ("model.", "data.", "train.batch_size", "train.seed", "precision.param_dtype")
 _HOW_DATA_IS_READ = ("data.data_dir", "data.workers")
+# Paths: compared as the files they name. A run stores them absolute (`absolute_paths`), so a
+# relative one typed in another folder is not taken for the same data.
+_PATH_KEYS = ("data.path", "data.tokenizer")
+
+
+def absolute_paths(cfg: Config) -> Config:
+  """`cfg` with its data paths absolute, as a run saves them."""
+  paths = {key.split(".")[1]: os.path.abspath(v) for key, v in _flatten(to_dict(cfg))
+           if key in _PATH_KEYS and v}
+  return override(cfg, data=paths) if paths else cfg
 
 
 def resume_mismatch(stored: dict, cfg: Config) -> list[str]:
@@ -354,6 +364,10 @@ def resume_mismatch(stored: dict, cfg: Config) -> list[str]:
       continue
     section, name = key.split(".")
     before = stored.get(section, {}).get(name, defaults[key])  # saved before the key existed
-    if before != value:
+    if key in _PATH_KEYS and before and value:  # the same file however it is spelled
+      same = os.path.realpath(before) == os.path.realpath(value)
+    else:
+      same = before == value
+    if not same:
       out.append(f"{key}={before!r}->{value!r}")
   return out

@@ -202,6 +202,7 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
   `profile_steps` (A, B) traces steps A..B into <workdir>/profile (jaxpar/profile.py)."""
   if steps is not None:
     cfg = jconfig.override(cfg, train={"steps": steps})
+  cfg = jconfig.absolute_paths(cfg)  # saved with the checkpoints: see resume_mismatch
   total = cfg.train.steps
   if profile_steps:
     jprofile.check_window(profile_steps, total)

@@ -57,3 +57,16 @@ def test_a_section_that_is_not_a_mapping_says_so(tmp_path):
   with pytest.raises(config.ConfigError, match=re.escape(
       f"config file {f}: section train must hold a mapping of its keys, like 'train: {{steps: 10}}', got 5")):
     config.load(str(f))
+
+
+def test_resume_compares_data_paths_as_the_folders_they_name(tmp_path, monkeypatch):
+  (tmp_path / "a" / "text").mkdir(parents=True)
+  (tmp_path / "b" / "text").mkdir(parents=True)
+  monkeypatch.chdir(tmp_path / "a")
+  saved = config.to_dict(config.absolute_paths(config.load(None, ["data.path=text"])))
+  assert saved["data"]["path"] == str(tmp_path / "a" / "text")  # a run stores it absolute
+  for same in ("text", "./text/", str(tmp_path / "a" / "text")):
+    assert config.resume_mismatch(saved, config.load(None, [f"data.path={same}"])) == []
+  monkeypatch.chdir(tmp_path / "b")  # the same spelling, another folder: other data
+  assert config.resume_mismatch(saved, config.load(None, ["data.path=text"])) == [
+      f"data.path={str(tmp_path / 'a' / 'text')!r}->'text'"]

@@ -133,14 +133,15 @@ def test_restore_continues_the_exact_sequence(mock40):
   it = make_loader(cfg, "")
   _take(it, 3)
   state = it.state()
-  assert state == {"epoch": 0, "position": 3} and all(type(v) is int for v in state.values())
+  assert state == {"epoch": 0, "position": 3, "processes": 1}  # images: shuffled per process
+  assert all(type(v) is int for v in state.values())
   expected = _take(it, 9)  # crosses two epoch boundaries; augmentation included
   resumed = make_loader(cfg, "")
   resumed.restore(state)
   for x, y in zip(_take(resumed, 9), expected):
     np.testing.assert_array_equal(x["image"], y["image"])
-  assert resumed.state() == {"epoch": 2, "position": 2}
-  with pytest.raises(ValueError, match="does not fit 5 batches per epoch"):
+  assert resumed.state() == {"epoch": 2, "position": 2, "processes": 1}
+  with pytest.raises(ConfigError, match="does not fit this data's 5 batches per epoch"):
     resumed.restore({"epoch": 0, "position": 5})
   it.close()
   resumed.close()
@@ -166,6 +167,37 @@ def test_shards_of_two_processes_are_disjoint_and_cover_the_split(mock40):
   assert set(seen[0]) | set(seen[1]) == set(whole)
   for p in parts:
     p.close()
+
+
+def test_text_batches_do_not_depend_on_the_process_count(mock40):
+  # Each process takes its part of one global order: two processes' parts, side by side, are the
+  # one-process batches, across an epoch boundary, and a resume may change the process count.
+  cfg = _cfg("data.source=tfds", "data.name=lm1b", "model.seq_len=15", "train.batch_size=4")
+  one = make_loader(cfg, "")
+  parts = [make_loader(cfg, "", process_index=i, process_count=2) for i in range(2)]
+  n = one.steps_per_epoch + 2
+  assert [p.steps_per_epoch for p in parts] == [one.steps_per_epoch] * 2
+  for want in _take(one, n):
+    got = np.concatenate([p.next()["tokens"] for p in parts])
+    np.testing.assert_array_equal(got, want["tokens"])
+  resumed = make_loader(cfg, "", process_index=1, process_count=2)
+  resumed.restore(one.state())
+  np.testing.assert_array_equal(resumed.next()["tokens"], one.next()["tokens"][2:])
+  for it in (one, resumed, *parts):
+    it.close()
+
+
+def test_images_resume_mid_epoch_only_with_the_same_process_count(mock40):
+  cfg = _cfg(*CIFAR)
+  two = make_loader(cfg, "", process_index=0, process_count=2)
+  _take(two, 2)
+  state = two.state()
+  assert state == {"epoch": 0, "position": 2, "processes": 2}
+  with pytest.raises(ConfigError, match=r"stopped mid-epoch with 2 processes; .* resume it "
+                                        r"with 2 processes"):
+    make_loader(cfg, "").restore(state)
+  make_loader(cfg, "").restore({**state, "epoch": 1, "position": 0})  # an epoch boundary is fine
+  two.close()
 
 
 def test_streamed_shards_match_the_cached_ones(mock40, monkeypatch):

@@ -61,6 +61,16 @@ def synthetic_windows(seq_len: int, seed: int, n: int = SYNTHETIC_WINDOWS) -> np
   return out
 
 
+def check_position(state: dict, steps_per_epoch: int) -> tuple[int, int]:
+  """(epoch, position) of a checkpoint's data state; ConfigError if this data cannot have it."""
+  epoch, position = int(state["epoch"]), int(state["position"])
+  if epoch < 0 or not 0 <= position < steps_per_epoch:
+    raise ConfigError(f"the checkpoint's data position (epoch {epoch}, batch {position}) does not "
+                      f"fit this data's {steps_per_epoch} batches per epoch: the data changed "
+                      f"since it was saved")
+  return epoch, position
+
+
 class _Plan:
   """Which rows of `windows` make batch (epoch, position) for one process; caches one epoch.
 
@@ -171,9 +181,7 @@ class BatchIterator:
 
   def restore(self, state: dict) -> None:
     """Continues exactly where the iterator that produced `state` would have."""
-    epoch, position = int(state["epoch"]), int(state["position"])
-    if epoch < 0 or not 0 <= position < self.steps_per_epoch:
-      raise ValueError(f"data state {state} does not fit {self.steps_per_epoch} batches per epoch")
+    epoch, position = check_position(state, self.steps_per_epoch)
     self._stop()
     self.epoch, self.position = epoch, position
     self._start()

@@ -1,18 +1,20 @@
 """`data.source=tfds`: any prepared TFDS dataset, read by random access and batched with grain.
 
-Records come from `tfds.data_source` (array_record files, no TensorFlow). Each process reads a
-contiguous shard of the split (`shard_range`, the split grain's `ShardOptions` make), reshuffles it
-every epoch from (seed, epoch), and hands out its share of every global batch. Batches are built
+Records come from `tfds.data_source` (array_record files, no TensorFlow). Text: every process
+shuffles all windows every epoch from (seed, epoch), the same order everywhere, and reads its
+contiguous part of each global batch, so the batches do not depend on the process count. Images:
+each process reads a contiguous shard of the split (`shard_range`, the split grain's
+`ShardOptions` make) and reshuffles that every epoch (a shard can be kept in memory); a
+checkpoint stopped mid-epoch then resumes only with the same process count. Batches are built
 in grain's background threads (`data.workers`), one batch per task, so normalising and augmenting
 run vectorised over the batch.
 
 Text datasets (a `Text` feature, preferably 'text') become byte tokens (or a tokenizer's ids):
 every document followed by an end token, cut into `seq_len + 1` windows. Window boundaries depend
 on all earlier documents, so every host first counts the tokens of every document (one streamed
-pass over the split; see `windows.TokenWindows`); it then trains on its contiguous shard of the
-windows and reads only the documents those overlap, a batch at a time. Host memory is the count
-index (8 bytes a document), this epoch's order of the shard's windows (4 bytes a window) and the
-batches in flight, never the split.
+pass over the split; see `windows.TokenWindows`); it then reads only the documents its part of a
+batch overlaps, a batch at a time. Host memory is the count index (8 bytes a document), this
+epoch's order of the windows (4 bytes a window) and the batches in flight, never the split.
 
 Image datasets ('image' and a `ClassLabel` 'label') give float32 images normalised by per-channel
 mean and std (estimated from a fixed sample of `data.split`, identical on every host) and int32
@@ -33,7 +35,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from jaxpar.config import ConfigError
-from jaxpar.data.loader import SEPARATOR, VOCAB_SIZE
+from jaxpar.data.loader import SEPARATOR, VOCAB_SIZE, check_position
 from jaxpar.data.windows import TokenWindows, end_of_text_id, shuffled
 from jaxpar.metrics import quiet_absl
 
@@ -217,7 +219,12 @@ class Batches:
   def __init__(self, read: Callable[[np.ndarray], dict], shard_size: int, records_per_host: int,
                local_batch: int, seed: int, element_spec: dict, what: str,
                transform: Callable[[dict, np.random.Generator], dict] | None = None,
-               workers: int = 2, prefetch: int = 4, shard_index: int = 0):
+               workers: int = 2, prefetch: int = 4, shard_index: int = 0, shard_count: int = 1,
+               shared: bool = False):
+    # shared: the "shard" is the whole split, and this process takes its contiguous part of each
+    # global batch (shard_count parts), so the order does not depend on the process count.
+    self._stride = local_batch * shard_count if shared else local_batch
+    self._offset = local_batch * shard_index if shared else 0
     self.steps_per_epoch = records_per_host // local_batch
     if self.steps_per_epoch == 0:
       raise ConfigError(f"{what} gives each process {records_per_host} examples, fewer than its "
@@ -226,6 +233,7 @@ class Batches:
     self._read, self._transform = read, transform
     self._shard_size, self._local, self._seed = shard_size, local_batch, seed % 2**32
     self._shard_index = shard_index
+    self._per_process = None if shared else shard_count  # the order depends on it
     self._orders: dict[int, np.ndarray] = {}
     self._lock = threading.Lock()
     self._options = grain.ReadOptions(num_threads=workers,
@@ -246,7 +254,8 @@ class Batches:
   def batch(self, k: int) -> dict:
     """The k-th batch this process hands out (k counts from the start of epoch 0)."""
     epoch, position = divmod(int(k), self.steps_per_epoch)
-    keys = self._order(epoch)[position * self._local:(position + 1) * self._local]
+    start = position * self._stride + self._offset
+    keys = self._order(epoch)[start:start + self._local]
     out = self._read(keys)
     if self._transform is not None:
       # Without the shard index, equal shard sizes give every host the same flips and crops.
@@ -271,13 +280,19 @@ class Batches:
   def state(self) -> dict:
     """Where the next batch comes from: {'epoch': int, 'position': int}."""
     epoch, position = divmod(self._count, self.steps_per_epoch)
-    return {"epoch": int(epoch), "position": int(position)}
+    state = {"epoch": int(epoch), "position": int(position)}
+    if self._per_process:
+      state["processes"] = self._per_process
+    return state
 
   def restore(self, state: dict) -> None:
     """Continues exactly where the iterator that produced `state` would have."""
-    epoch, position = int(state["epoch"]), int(state["position"])
-    if epoch < 0 or not 0 <= position < self.steps_per_epoch:
-      raise ValueError(f"data state {state} does not fit {self.steps_per_epoch} batches per epoch")
+    epoch, position = check_position(state, self.steps_per_epoch)
+    was = state.get("processes", self._per_process)
+    if self._per_process and position and was != self._per_process:
+      raise ConfigError(f"the checkpoint stopped mid-epoch with {was} processes; this dataset's "
+                        f"images are shuffled per process, so resume it with {was} processes "
+                        f"(another count would repeat and skip examples of the epoch)")
     self.close()
     self._count = epoch * self.steps_per_epoch + position
 
@@ -302,12 +317,14 @@ def _text_batches(ds: Dataset, source, cfg, global_batch: int, shard, workers: i
                       f"got {cfg.model.vocab_size}")
   seq = cfg.model.seq_len
   windows = text_windows(source, ds.text_key, seq, tokenizer)
-  lo, hi = shard_range(len(windows), shard)
+  # One order of all windows, the same on every process: each takes its part of every global
+  # batch, so the batches (and the losses) do not depend on how many processes read them.
   local = global_batch // shard.shard_count
-  return Batches(lambda keys: {"tokens": windows[lo + keys].astype(np.int32)}, hi - lo,
+  return Batches(lambda keys: {"tokens": windows[keys].astype(np.int32)}, len(windows),
                  len(windows) // shard.shard_count, local, cfg.train.seed,
                  {"tokens": ((local, seq + 1), np.dtype(np.int32))},
-                 f"{what} ({len(windows)} windows of {seq + 1} tokens)", workers=workers)
+                 f"{what} ({len(windows)} windows of {seq + 1} tokens)", workers=workers,
+                 shard_index=shard.shard_index, shard_count=shard.shard_count, shared=True)
 
 
 def _image_batches(ds: Dataset, source, cfg, global_batch: int, shard, train: bool,
@@ -344,7 +361,8 @@ def _image_batches(ds: Dataset, source, cfg, global_batch: int, shard, train: bo
   spec = {"image": ((local, h, w, c), np.dtype(np.float32)),
           "label": ((local,), np.dtype(np.int32))}
   return Batches(read, hi - lo, len(source) // shard.shard_count, local, cfg.train.seed, spec, what,
-                 transform=transform, workers=workers, shard_index=shard.shard_index)
+                 transform=transform, workers=workers, shard_index=shard.shard_index,
+                 shard_count=shard.shard_count)
 
 
 def make_batches(cfg, split: str, process_index: int = 0, process_count: int = 1,
