@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import sys
@@ -53,7 +54,7 @@ def _state_arg(text: str) -> tuple[float, float, float]:
     parts = tuple(float(x) for x in text.split(","))
   except ValueError:
     parts = ()
-  if len(parts) != 3 or min(parts) < 0:
+  if len(parts) != 3 or not all(math.isfinite(x) and x >= 0 for x in parts):
     raise argparse.ArgumentTypeError(f"{text!r} is not three byte counts P,G,K such as 2,2,12")
   return parts
 
@@ -133,13 +134,13 @@ def _check_search_args(args) -> None:
   for flag, value in only.items():
     if value is not None and not args.auto:
       raise config.ConfigError(f"{flag} applies to --auto only")
-    if value is not None and value <= 0:
-      raise config.ConfigError(f"{flag} must be positive, got {value:g}")
+    if value is not None and not (math.isfinite(value) and value > 0):
+      raise config.ConfigError(f"{flag} must be a positive number, got {value:g}")
   for flag, value in {"--params": args.params, "--state-bytes": args.state_bytes}.items():
     if value is not None and not args.analytic:
       raise config.ConfigError(f"{flag} applies to --analytic only")
-  if args.params is not None and args.params <= 0:
-    raise config.ConfigError(f"--params must be positive, got {args.params:g}")
+  if args.params is not None and not (math.isfinite(args.params) and args.params > 0):
+    raise config.ConfigError(f"--params must be a positive number, got {args.params:g}")
   if args.top < 1:
     raise config.ConfigError(f"--top must be at least 1, got {args.top}")
 

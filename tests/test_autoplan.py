@@ -88,7 +88,10 @@ def test_budget_rejects_what_does_not_fit(auto_default):
 
 
 @pytest.mark.parametrize("args", [["--auto"], ["--auto", "--devices", "8", "--mesh", "8x1x1"],
-                                  ["--auto", "--devices", "8", "--memory-per-device", "lots"]])
+                                  ["--auto", "--devices", "8", "--memory-per-device", "lots"],
+                                  ["--auto", "--devices", "2", "--time-limit", "nan"],
+                                  ["--analytic", "--devices", "2", "--params", "inf", "--json"],
+                                  ["--analytic", "--devices", "2", "--state-bytes", "nan,1,1"]])
 def test_cli_bad_search_input_is_one_line_and_exit_2(args):
   p = cli(*args)
   assert p.returncode == 2, p.stderr
