@@ -50,7 +50,8 @@ class DataConfig:
   eval_split: str = "validation"  # split evaluated every train.eval_every steps
   augment: bool = False  # images: random flips and 4-pixel crops of training batches
   tokenizer: str = ""  # tfds text: a `tokenizers` JSON file (tokenizer.json); "" = byte-level
-  workers: int = 2  # background threads reading and transforming batches (0 = in the loop)
+  workers: int = 2  # tfds: background threads reading and transforming batches; local_text and
+  # synthetic: any N > 0 is one thread reading two batches ahead (0 = everything in the loop)
 
 
 @dataclass(frozen=True)

@@ -239,3 +239,25 @@ def test_default_folder_is_the_stdlib(tmp_path):
   first = open(os.path.join(root, files[0][0]), "rb").read()
   assert first in texts
   assert it.steps_per_epoch == sum(len(t) + 1 for t in local_text.read_texts(builder)) // 128 // 8
+
+
+def test_loader_settings_are_used_or_refused(tmp_path):
+  import threading
+
+  from jaxpar import config
+  from jaxpar.config import ConfigError
+  from jaxpar.data import make_loader
+  base = ["data.source=synthetic", "model.seq_len=16", "train.batch_size=4"]
+  with pytest.raises(ConfigError, match="data.tokenizer applies to data.source=tfds"):
+    make_loader(config.load(None, base + ["data.tokenizer=/no/such.json"]), str(tmp_path))
+
+  def prefetching(workers):
+    before = {t.ident for t in threading.enumerate() if t.name == "jaxpar-prefetch"}
+    it = make_loader(config.load(None, base + [f"data.workers={workers}"]), str(tmp_path))
+    first = it.next()
+    started = {t.ident for t in threading.enumerate() if t.name == "jaxpar-prefetch"} - before
+    it.close()
+    return first, bool(started)
+  (a, threaded), (b, inline) = prefetching(2), prefetching(0)
+  assert threaded and not inline  # data.workers=0: read in the loop, no thread
+  np.testing.assert_array_equal(a["tokens"], b["tokens"])

@@ -280,12 +280,16 @@ def make_loader(cfg, workdir: str, process_index: int = 0, process_count: int = 
   if cfg.model.kind == "cnn":  # the decoders (gpt, llama) read text
     raise ConfigError(f"model.kind={cfg.model.kind} needs images: set data.source=tfds and "
                       f"data.name to an image dataset such as cifar10")
+  if cfg.data.tokenizer:
+    raise ConfigError(f"data.tokenizer applies to data.source=tfds; data.source="
+                      f"{cfg.data.source} gives byte tokens (unset data.tokenizer)")
   if cfg.model.vocab_size < VOCAB_SIZE:  # an id past the embedding would make the loss NaN
     raise ConfigError(f"data.source={cfg.data.source} gives byte tokens, which need "
                       f"model.vocab_size >= {VOCAB_SIZE} (it is {cfg.model.vocab_size})")
   try:
     it = make_batches(cfg.data, cfg.model.seq_len, cfg.train.batch_size, cfg.train.seed, workdir,
-                      process_index, process_count, split=split)
+                      process_index, process_count, split=split,
+                      prefetch=2 if cfg.data.workers else 0)  # one thread, two batches ahead
   except ValueError as e:
     raise ConfigError(str(e).rstrip(".")) from None
   return TokenBatches(it)
