@@ -9,7 +9,6 @@ launcher exits with the first failure's code.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import signal
@@ -18,6 +17,13 @@ import subprocess
 import sys
 import threading
 import time
+
+try:
+  import jaxpar  # noqa: F401
+except ImportError:  # running from a checkout without `pip install -e .`
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxpar.cli import Parser  # noqa: E402  (one-line errors; starts no JAX backend)
 
 ENV_COORDINATOR = "JAXPAR_COORDINATOR"  # the names jaxpar.distributed reads
 ENV_NUM_PROCESSES = "JAXPAR_NUM_PROCESSES"
@@ -231,8 +237,8 @@ class Launcher:
       time.sleep(0.05)
     for t in self.threads:
       t.join(timeout=5)
-    if first is None:
-      return 0
+    if first is None:  # all ended well; stopped by a signal, the shell's code for it
+      return 128 + signal.Signals[self.interrupted] if self.interrupted else 0
     rank, code = first
     status = code if code > 0 else 128 - code
     others = "; ".join(f"process {r} ended with {describe(p.returncode)}"
@@ -245,7 +251,7 @@ class Launcher:
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   cut = argv.index("--") if "--" in argv else len(argv)
-  p = argparse.ArgumentParser(
+  p = Parser(
       description=__doc__.splitlines()[0],
       usage="%(prog)s --processes N [--devices-per-process K] [--grace S] -- SCRIPT [ARGS ...]")
   p.add_argument("--processes", type=int, required=True, help="number of processes")
@@ -260,6 +266,10 @@ def main(argv=None) -> int:
     p.error("give the command to run after --, e.g. -- scripts/train.py --mesh 2x4x1")
   if args.processes < 1:
     p.error(f"--processes={args.processes} must be at least 1")
+  if not args.grace >= 0:  # NaN too
+    p.error(f"--grace={args.grace} must be a number of seconds, 0 or more")
+  if args.port is not None and not 1 <= args.port <= 65535:
+    p.error(f"--port={args.port} is not a TCP port (1 to 65535)")
   devices = args.devices_per_process
   if devices is None:
     total = mesh_devices(command)

@@ -25,13 +25,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxpar import config, mesh  # pure Python: JAX is imported only after the devices are set
-
-
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):  # one line and exit 2, like every other bad input
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+from jaxpar import cli, config, mesh  # JAX's backends start only after the devices are set
 
 
 def autoplan_kinds():
@@ -60,7 +54,7 @@ def _state_arg(text: str) -> tuple[float, float, float]:
 
 
 def _args(argv):
-  ap = _Parser(description="Report shardings, bytes per device, collectives and FLOPs of one "
+  ap = cli.Parser(description="Report shardings, bytes per device, collectives and FLOPs of one "
                            "training step on --mesh, from the compiled program (nothing runs); "
                            "or, with --auto / --analytic, rank every layout of --devices devices "
                            "by predicted step time among those that fit in memory.")

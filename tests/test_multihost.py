@@ -376,3 +376,35 @@ def test_resolve_flags_environment_and_launchers(monkeypatch):
                        ({**env, "JAXPAR_INIT_TIMEOUT": "soon"}, "is not a number of seconds")):
     with pytest.raises(ConfigError, match=message):
       distributed.resolve(None, bad)
+
+
+@pytest.mark.parametrize("args,message", [
+    ([], "the following arguments are required: --processes"),
+    (["--processes", "abc", "--", "x.py"], "argument --processes: invalid int value: 'abc'"),
+    (["--processes", "2", "--grace", "-1", "--", "x.py"], "--grace=-1.0 must be a number of seconds"),
+    (["--processes", "2", "--port", "99999", "--", "x.py"], "--port=99999 is not a TCP port"),
+])
+def test_launcher_bad_arguments_are_one_line_and_exit_2(env, args, message):
+  r = run([LAUNCH, *args], env, timeout=60)
+  assert r.returncode == 2 and r.stderr.startswith(f"error: {message}"), r.stderr
+  assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_an_interrupted_launch_exits_128_plus_the_signal(tmp_path, env):
+  # The processes stop cleanly when told (as train.py saves and exits 0); the launch still
+  # reports that it was interrupted, as a shell would.
+  child = tmp_path / "child.py"
+  child.write_text(
+      "import signal, sys, time\n"
+      "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+      "print('ready', flush=True)\n"
+      "time.sleep(60)\n")
+  proc = subprocess.Popen([sys.executable, LAUNCH, "--processes", "2", "--", str(child)], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  seen = 0
+  while seen < 2:
+    seen += "ready" in proc.stdout.readline()
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=60)
+  assert proc.returncode == 128 + signal.SIGINT, err
+  assert "[launcher] received SIGINT: stopping all processes" in err
