@@ -182,12 +182,6 @@ def zero_table(n_params: float, n: int, bytes_param: float, bytes_grad: float,
   return [model_state_bytes(n_params, n, s, bytes_param, bytes_grad, bytes_opt) for s in range(4)]
 
 
-def link_bytes(collectives: dict[str, float], data: int) -> float:
-  """Bytes one device sends for a step's collectives (result bytes by kind, see hlo.py)."""
-  factor = {"all-reduce": 2.0, "reduce-scatter": float(max(data - 1, 1))}
-  return sum(v * factor.get(k, 1.0) for k, v in collectives.items())
-
-
 def for_device(cfg: Config, kind: str) -> Config:
   """`cfg` as it would run on `kind`: compute_dtype auto means bfloat16 on a GPU."""
   if kind != "cpu" and cfg.precision.compute_dtype == "auto":
@@ -269,7 +263,7 @@ def evaluate(cfg: Config, lay: Layout, facts: ModelFacts, r: Rates, devices: Seq
   report = plan.plan(lay.apply(cfg), lay.mesh, devices)
   d, m, p = lay.mesh
   coll = report["collectives"]
-  sent = link_bytes(coll, d)
+  sent = sum(report["sent_bytes"].values())  # ring algorithms, as `estimate` counts them
   bubble = report["pipeline"]["bubble_fraction"] if report["pipeline"] else 0.0
   row = _row(lay, "compiled")
   row.update(memory_bytes=report["compiled"]["peak_bytes"], collective_bytes=sum(coll.values()),
@@ -288,10 +282,19 @@ def _row(lay: Layout, source: str) -> dict:
 
 # -- ranking ---------------------------------------------------------------------------------------
 
+TIE = 1.0001  # predicted step times this close are one prediction (a few bytes of loss reduction)
+
+
 def rank(rows: list[dict], budget: float) -> tuple[list[dict], list[dict]]:
   """(rows within `budget` bytes per device, fastest first, with reasons; the rows over it)."""
-  fit = sorted((r for r in rows if r["memory_bytes"] <= budget),
-               key=lambda r: (r["step_s"], r["memory_bytes"]))
+  by_step = sorted((r for r in rows if r["memory_bytes"] <= budget), key=lambda r: r["step_s"])
+  fit, group = [], []  # predictions within TIE of each other: the one with less memory first
+  for r in by_step + [None]:
+    if r is None or (group and r["step_s"] > group[0]["step_s"] * TIE):
+      fit += sorted(group, key=lambda g: g["memory_bytes"])
+      group = []
+    if r is not None:
+      group.append(r)
   over = [r for r in rows if r["memory_bytes"] > budget]
   for i, row in enumerate(fit):
     row["rank"] = i + 1
@@ -304,7 +307,7 @@ def _why(row: dict, fit: list[dict], budget: float, i: int) -> str:
   parts = []
   if i == 0:
     parts.append("fastest predicted step")
-  elif row["step_s"] <= fit[0]["step_s"] * 1.0001:
+  elif row["step_s"] <= fit[0]["step_s"] * TIE:
     parts.append("ties the fastest, holds more memory")
   least_sent = min(r["link_bytes"] for r in fit)
   least_flat = min((r["link_bytes"] for r in fit if not r["bubble"]), default=None)

@@ -23,6 +23,7 @@ Counting rules of `collective_bytes`:
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -346,10 +347,52 @@ def _own_bytes(ins: _Instr) -> tuple[str, int] | None:
   return None
 
 
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+# XLA's mesh form: replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}: groups along the axes
+# named in braces
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+
+
+def _group_size(attrs: str, devices: int) -> int:
+  """Devices in each replica group of a collective (`devices`, all of them, when not stated)."""
+  m = _GROUPS_IOTA.search(attrs)
+  if m:
+    return int(m.group(2))
+  m = _GROUPS_LIST.search(attrs)
+  if m and m.group(1):
+    return len(m.group(1).split(","))
+  m = _GROUPS_MESH.search(attrs)
+  if m:
+    sizes = dict((k, int(v)) for k, v in re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+    named = re.findall(r"'(\w+)'", m.group(2))
+    if all(a in sizes for a in named) and ":" not in m.group(2):  # whole axes only
+      return math.prod(sizes[a] for a in named)
+  return devices
+
+
+def _own_sent(comp: _Computation, ins: _Instr, devices: int) -> tuple[str, float] | None:
+  """(kind, bytes one device sends) for a counted collective, by the ring algorithms over its
+  group of n: an all-reduce of S bytes sends 2 (n-1)/n S, an all-gather of result S and an
+  all-to-all (n-1)/n S, a reduce-scatter of result S (n-1) S, a permute S."""
+  own = _own_bytes(ins)
+  if own is None:
+    return None
+  kind, size = own
+  start = ins
+  if ins.opcode.endswith("-done") and ins.operands and ins.operands[0] in comp.instrs:
+    start = comp.instrs[ins.operands[0]]  # the async pair's groups are on its -start
+  n = _group_size(start.attrs, devices)
+  factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "all-to-all": (n - 1) / n,
+            "reduce-scatter": float(n - 1)}.get(kind, 1.0)
+  return kind, size * factor
+
+
 def _computation_bytes(comps: dict[str, _Computation], name: str,
                        memo: dict[str, dict[str, int]], active: set[str],
-                       loops: bool = True) -> dict[str, int]:
-  """Collective bytes of one execution of `name`; with `loops` False, while loops count 0."""
+                       loops: bool = True, own_fn=None) -> dict[str, int]:
+  """Collective bytes of one execution of `name`; with `loops` False, while loops count 0.
+  `own_fn(comp, ins)` -> (kind, bytes) counts an instruction (default: its result bytes)."""
   if name in memo:
     return memo[name]
   out = dict.fromkeys(KINDS, 0)
@@ -363,7 +406,7 @@ def _computation_bytes(comps: dict[str, _Computation], name: str,
       out[kk] += src[kk] * times
 
   for ins in comp.instrs.values():
-    own = _own_bytes(ins)
+    own = _own_bytes(ins) if own_fn is None else own_fn(comp, ins)
     if own is not None:
       out[own[0]] += own[1]
     op = ins.opcode
@@ -374,14 +417,14 @@ def _computation_bytes(comps: dict[str, _Computation], name: str,
       # The condition runs once more than the body; an unreadable count is taken as one pass.
       body_times, cond_times = (1, 1) if n is None else (n, n + 1)
       for c in _callees(ins.attrs, "body"):
-        add(_computation_bytes(comps, c, memo, active, loops), body_times)
+        add(_computation_bytes(comps, c, memo, active, loops, own_fn), body_times)
       for c in _callees(ins.attrs, "condition"):
-        add(_computation_bytes(comps, c, memo, active, loops), cond_times)
+        add(_computation_bytes(comps, c, memo, active, loops, own_fn), cond_times)
     elif op == "conditional":
       branches = (_callees(ins.attrs, "branch_computations")
                   or _callees(ins.attrs, "true_computation")
                   + _callees(ins.attrs, "false_computation"))
-      per = [_computation_bytes(comps, c, memo, active, loops) for c in branches]
+      per = [_computation_bytes(comps, c, memo, active, loops, own_fn) for c in branches]
       for kk in KINDS:
         out[kk] += max((p[kk] for p in per), default=0)
     elif op.endswith(("-start", "-update", "-done")):
@@ -389,11 +432,11 @@ def _computation_bytes(comps: dict[str, _Computation], name: str,
       # collective it wraps, and its -update/-done are not walked, so each counts once.
       if op == "async-start":
         for c in _callees(ins.attrs, "calls"):
-          add(_computation_bytes(comps, c, memo, active, loops), 1)
+          add(_computation_bytes(comps, c, memo, active, loops, own_fn), 1)
     else:
       for key in ("calls", "to_apply", "called_computations"):
         for c in _callees(ins.attrs, key):
-          add(_computation_bytes(comps, c, memo, active, loops), 1)
+          add(_computation_bytes(comps, c, memo, active, loops, own_fn), 1)
   active.discard(name)
   memo[name] = out
   return out
@@ -408,6 +451,19 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
       return dict.fromkeys(KINDS, 0)
     entry = list(comps)[-1]
   return dict(_computation_bytes(comps, entry, {}, set()))
+
+
+def sent_bytes(hlo_text: str, devices: int) -> dict[str, float]:
+  """Bytes one device sends per execution for each collective kind, by ring algorithms over each
+  collective's own replica group (`_own_sent`); `devices`: the group of a collective that names
+  none. A reduce-scatter then an all-gather send what one all-reduce does."""
+  comps, entry = _parse_module(hlo_text)
+  if entry is None:
+    if not comps:
+      return dict.fromkeys(KINDS, 0.0)
+    entry = list(comps)[-1]
+  return dict(_computation_bytes(comps, entry, {}, set(),
+                                 own_fn=lambda comp, ins: _own_sent(comp, ins, devices)))
 
 
 def collective_bytes_in_loops(hlo_text: str) -> dict[str, int]:

@@ -126,6 +126,8 @@ def plan(cfg: Config, mesh_shape: str | Sequence[int],
       "unsharded_bytes": unsharded,
       "compiled": hlo.memory(compiled),
       "collectives": hlo.collective_bytes(compiled.as_text()),
+      # what one device sends for them (ring algorithms over each one's group): the link's load
+      "sent_bytes": hlo.sent_bytes(compiled.as_text(), trainer.mesh.size),
       "flops_per_step": hlo.flops(compiled),
       "model_flops_per_step": model.flops_per_example * cfg.train.batch_size,
       "pipeline": _pipeline(trainer.schedule),

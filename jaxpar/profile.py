@@ -172,7 +172,7 @@ def estimate_from_hlo(compiled: Any, trainer: Any, step_s: float) -> dict:
   kind = next((k for k in autoplan.DEVICE_KINDS if k in jax.devices()[0].device_kind.lower()),
               "cpu")
   rates = autoplan.rates(kind, mesh.size)
-  sent = autoplan.link_bytes(hlo.collective_bytes(compiled.as_text()), mesh.shape["data"])
+  sent = sum(hlo.sent_bytes(compiled.as_text(), mesh.size).values())
   flops = trainer.model.flops_per_example * trainer.cfg.train.batch_size / mesh.size
   compute, comm = flops / rates.flops, sent / rates.link
   share = comm / (compute + comm) if compute + comm else 0.0

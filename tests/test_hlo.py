@@ -297,3 +297,30 @@ ENTRY %main (t: token[]) -> f32[8] {
 
 def test_no_collectives():
   assert hlo.collective_bytes("") == dict.fromkeys(hlo.KINDS, 0)
+
+
+def test_sent_bytes_follow_the_ring_algorithms(mesh, x):
+  # one device sends 2 (n-1)/n of an all-reduce's buffer, (n-1)/n of an all-gather's result and
+  # n-1 times a reduce-scatter's result: a reduce-scatter then an all-gather cost one all-reduce
+  n = 8
+  ar = compiled_shard_map(mesh, lambda a: jax.lax.psum(a, "data"), x, P())
+  rs = compiled_shard_map(mesh, lambda a: jax.lax.psum_scatter(a, "data", tiled=True), x, P("data"))
+  # gathers what the reduce-scatter left on each device (ROWS / n rows) back into one block
+  ag = compiled_shard_map(mesh, lambda a: jax.lax.all_gather(a[:ROWS // n], "data", tiled=True),
+                          x, P())
+  sent = lambda c, kind: hlo.sent_bytes(c.as_text(), n)[kind]
+  assert sent(ar, "all-reduce") == pytest.approx(2 * (n - 1) / n * BLOCK_BYTES)
+  assert sent(rs, "reduce-scatter") == pytest.approx((n - 1) * BLOCK_BYTES / n)
+  assert sent(ag, "all-gather") == pytest.approx((n - 1) / n * BLOCK_BYTES)
+  assert sent(rs, "reduce-scatter") + sent(ag, "all-gather") == pytest.approx(sent(ar, "all-reduce"))
+
+
+@pytest.mark.parametrize("attrs,size", [
+    ("replica_groups={{0,1},{2,3}}, to_apply=%add", 2),
+    ("replica_groups=[2,4]<=[8], to_apply=%add", 4),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, use_global_device_ids=true", 4),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0','axis_1'}, to_apply=%add", 8),
+    ("replica_groups={}, to_apply=%add", 16),  # every device
+])
+def test_group_sizes_in_every_form_xla_prints(attrs, size):
+  assert hlo._group_size(attrs, 16) == size
