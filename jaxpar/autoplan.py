@@ -153,8 +153,10 @@ def layouts(cfg: Config, n: int) -> tuple[list[Layout], list[str]]:
     ruled_out.extend([errors[0][1]] if not allowed else [a + b for a, b in errors])
     out += [Layout(shape, stage, *a) for stage in (range(4) if d > 1 else (0,)) for a in allowed]
   if not out:
+    shown = "; ".join(ruled_out[:3]) + (f"; and {len(ruled_out) - 3} more" if len(ruled_out) > 3
+                                          else "")
     raise ConfigError(f"no layout of this model runs on {n} devices: every mesh is ruled out "
-                      f"({'; '.join(ruled_out)})")
+                      f"({shown})")
   return out, ruled_out
 
 

@@ -261,3 +261,18 @@ def test_loader_settings_are_used_or_refused(tmp_path):
   (a, threaded), (b, inline) = prefetching(2), prefetching(0)
   assert threaded and not inline  # data.workers=0: read in the loop, no thread
   np.testing.assert_array_equal(a["tokens"], b["tokens"])
+
+
+def test_synthetic_data_serves_any_batch_and_a_file_is_not_a_data_folder(tmp_path):
+  from jaxpar import config
+  from jaxpar.config import ConfigError
+  from jaxpar.data import make_loader
+  big = make_loader(config.load(None, ["data.source=synthetic", "model.seq_len=4",
+                                       "train.batch_size=8192"]), str(tmp_path))
+  assert big.next()["tokens"].shape == (8192, 5)  # more than the 4096 windows a small batch gets
+  big.close()
+  a_file = tmp_path / "a.txt"
+  a_file.write_text("text")
+  with pytest.raises(ConfigError, match=f"local_text folder {a_file} is a file; data.path names "
+                                        f"a folder of text files"):
+    make_loader(config.load(None, [f"data.path={a_file}"]), str(tmp_path / "wd"))

@@ -218,7 +218,9 @@ def make_batches(data_cfg, seq_len: int, global_batch: int, seed: int, workdir: 
                  prefetch: int = 2) -> BatchIterator:
   """Iterator over data_cfg.source: batches [global_batch // process_count, seq_len + 1] int32."""
   if data_cfg.source == "synthetic":
-    windows = synthetic_windows(seq_len, seed + zlib.crc32(split.encode()))
+    # at least one global batch (more windows than the default only when the batch needs them)
+    windows = synthetic_windows(seq_len, seed + zlib.crc32(split.encode()),
+                                max(SYNTHETIC_WINDOWS, global_batch))
     what = "synthetic data"
   elif data_cfg.source == "local_text":
     from jaxpar.data import local_text  # imports TFDS, which synthetic data does not need

@@ -127,7 +127,9 @@ class LocalText(tfds.core.GeneratorBasedBuilder):
   def _split_generators(self, dl_manager):
     cfg = self.builder_config
     if not os.path.isdir(cfg.root):
-      raise ValueError(f"local_text folder {cfg.root} does not exist")
+      raise ValueError(f"local_text folder {cfg.root} "
+                       + ("is a file; data.path names a folder of text files"
+                          if os.path.exists(cfg.root) else "does not exist"))
     files = scan(cfg.root, cfg.only_py, cfg.max_bytes)
     if not files:
       raise ValueError(f"local_text folder {cfg.root} holds no readable text files")
