@@ -145,21 +145,11 @@ def main(argv=None) -> int:
   if args.repeats < 1 or args.threads < 1:
     ap.error("--repeats and --threads must be positive")
   try:
-    import torch
-    import transformers  # noqa: F401
-  except ImportError as e:
-    print(f"error: {e.name} is missing; install the benchmark extra: pip install -e '.[benchmark]'",
-          file=sys.stderr)
-    return 2
-  try:
-    cfg = jconfig.load(None, vs_pytorch.BASE + args.overrides)
+    cfg = vs_pytorch.comparison_config(args.overrides)
   except jconfig.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  if cfg.model.kind != "gpt" or cfg.precision.compute_dtype != "float32":
-    print("error: the comparison is of the fp32 GPT: model.kind=gpt, "
-          "precision.compute_dtype=float32", file=sys.stderr)
-    return 2
+  import torch
   torch.set_num_threads(args.threads)
   mc = cfg.model
   tokens = cfg.train.batch_size * mc.seq_len

@@ -147,27 +147,32 @@ def parser() -> argparse.ArgumentParser:
   return ap
 
 
+def comparison_config(overrides: list[str]) -> jconfig.Config:
+  """The fp32 GPT both sides run: BASE + `overrides`. ConfigError (one sentence) when the
+  benchmark extra is missing or the config is not one torch's GPT-2 can match."""
+  try:
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+  except ImportError as e:
+    raise jconfig.ConfigError(f"{e.name} is missing; install the benchmark extra: "
+                              f"pip install -e '.[benchmark]'") from None
+  cfg = jconfig.load(None, BASE + overrides)
+  if cfg.model.kind != "gpt" or cfg.precision.compute_dtype != "float32":
+    raise jconfig.ConfigError("the comparison is of the fp32 GPT: model.kind=gpt, "
+                              "precision.compute_dtype=float32")
+  return cfg
+
+
 def main(argv=None) -> int:
   ap = parser()
   args = ap.parse_args(argv)
   if args.steps < 1 or args.repeats < 1 or args.warmup < 0 or args.threads < 1:
     ap.error("--steps, --repeats and --threads must be positive, --warmup not negative")
   try:
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
-  except ImportError as e:
-    print(f"error: {e.name} is missing; install the benchmark extra: pip install -e '.[benchmark]'",
-          file=sys.stderr)
-    return 2
-  try:
-    cfg = jconfig.load(None, BASE + args.overrides)
+    cfg = comparison_config(args.overrides)
     hostmem.configure(1)  # as train.py on one CPU device, before JAX starts (jaxpar/hostmem.py)
   except jconfig.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
-    return 2
-  if cfg.model.kind != "gpt" or cfg.precision.compute_dtype != "float32":
-    print("error: the comparison is of the fp32 GPT: model.kind=gpt, "
-          "precision.compute_dtype=float32", file=sys.stderr)
     return 2
   device = jax.devices()[0]
   mc, tc = cfg.model, cfg.train

@@ -442,14 +442,20 @@ def _computation_bytes(comps: dict[str, _Computation], name: str,
   return out
 
 
+def _module(hlo_text: str) -> tuple[dict[str, _Computation], str | None]:
+  """(computations, the entry's name); a lone computation without an ENTRY marker (hand-written
+  snippets) is its own entry, and no computation at all gives None."""
+  comps, entry = _parse_module(hlo_text)
+  if entry is None and comps:
+    entry = list(comps)[-1]
+  return comps, entry
+
+
 def collective_bytes(hlo_text: str) -> dict[str, int]:
   """Per-device bytes per execution moved by each collective kind: {kind: int} over `KINDS`."""
-  comps, entry = _parse_module(hlo_text)
+  comps, entry = _module(hlo_text)
   if entry is None:
-    # A lone computation without an ENTRY marker (hand-written snippets): take the last one.
-    if not comps:
-      return dict.fromkeys(KINDS, 0)
-    entry = list(comps)[-1]
+    return dict.fromkeys(KINDS, 0)
   return dict(_computation_bytes(comps, entry, {}, set()))
 
 
@@ -457,11 +463,9 @@ def sent_bytes(hlo_text: str, devices: int) -> dict[str, float]:
   """Bytes one device sends per execution for each collective kind, by ring algorithms over each
   collective's own replica group (`_own_sent`); `devices`: the group of a collective that names
   none. A reduce-scatter then an all-gather send what one all-reduce does."""
-  comps, entry = _parse_module(hlo_text)
+  comps, entry = _module(hlo_text)
   if entry is None:
-    if not comps:
-      return dict.fromkeys(KINDS, 0.0)
-    entry = list(comps)[-1]
+    return dict.fromkeys(KINDS, 0.0)
   return dict(_computation_bytes(comps, entry, {}, set(),
                                  own_fn=lambda comp, ins: _own_sent(comp, ins, devices)))
 
@@ -472,11 +476,9 @@ def collective_bytes_in_loops(hlo_text: str) -> dict[str, int]:
   A collective that stays in its loop moves one slice per iteration (ZeRO-3's per-layer gathers);
   one hoisted out of the loop moves the same bytes at once, so only this split tells them apart.
   """
-  comps, entry = _parse_module(hlo_text)
+  comps, entry = _module(hlo_text)
   if entry is None:
-    if not comps:
-      return dict.fromkeys(KINDS, 0)
-    entry = list(comps)[-1]
+    return dict.fromkeys(KINDS, 0)
   total = _computation_bytes(comps, entry, {}, set())
   outside = _computation_bytes(comps, entry, {}, set(), loops=False)
   return {k: total[k] - outside[k] for k in KINDS}

@@ -71,6 +71,7 @@ def plan(cfg: Config, mesh_shape: str | Sequence[int],
   model = _model(cfg)
   trainer = Trainer(cfg, mesh, model)
   compiled = trainer.lower(_batch_abstract(cfg)).compile()
+  text = compiled.as_text()
 
   is_spec = lambda x: isinstance(x, P)
   abstract = model.abstract
@@ -125,9 +126,9 @@ def plan(cfg: Config, mesh_shape: str | Sequence[int],
       "bytes_per_device": per_device,
       "unsharded_bytes": unsharded,
       "compiled": hlo.memory(compiled),
-      "collectives": hlo.collective_bytes(compiled.as_text()),
+      "collectives": hlo.collective_bytes(text),
       # what one device sends for them (ring algorithms over each one's group): the link's load
-      "sent_bytes": hlo.sent_bytes(compiled.as_text(), trainer.mesh.size),
+      "sent_bytes": hlo.sent_bytes(text, trainer.mesh.size),
       "flops_per_step": hlo.flops(compiled),
       "model_flops_per_step": model.flops_per_example * cfg.train.batch_size,
       "pipeline": _pipeline(trainer.schedule),

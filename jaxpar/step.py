@@ -444,17 +444,17 @@ class Trainer:
 
   def step(self, state: dict, batch: dict) -> tuple[dict, dict]:
     """Runs one step, compiling on first use of each batch shape (e.g. a shorter last batch)."""
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
-    leaves, tdef = jax.tree_util.tree_flatten(abstract)
-    key = (tdef, tuple((a.shape, a.dtype) for a in leaves))
-    if key not in self._steps:
-      self._steps[key] = self.lower(abstract).compile()
     if not isinstance(state, dict) or "params" not in state:
       raise ValueError(f"the state is {type(state).__name__}, not the dict Trainer.init (or "
                        f"init_with, restore) returns; make one with Trainer.init(seed) first")
     if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree_util.tree_leaves(state)):
       raise ValueError("this state was consumed by an earlier step (the step donates its input "
                        "state to reuse the memory); pass the state that step returned")
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
+    leaves, tdef = jax.tree_util.tree_flatten(abstract)
+    key = (tdef, tuple((a.shape, a.dtype) for a in leaves))
+    if key not in self._steps:
+      self._steps[key] = self.lower(abstract).compile()
     with jax.set_mesh(self.mesh):
       return self._steps[key](state, batch)
 

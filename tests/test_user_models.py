@@ -151,18 +151,23 @@ def test_a_batch_of_another_shape_compiles_its_own_step():
   assert np.isfinite(float(m8["loss"])) and int(state["step"]) == 2
 
 
-def test_model_errors_name_the_parameter():
-  import flax.linen as nn
-
-  class TwoOnModel(nnx.Module):
+def one_param(axes):
+  """An NNX model of one (8, 8) parameter `w` with the logical `axes`."""
+  class OneParam(nnx.Module):
     def __init__(self, rngs):
-      self.w = nnx.Param(jnp.zeros((8, 8)), out_sharding=("heads", "mlp"))
+      self.w = nnx.Param(jnp.zeros((8, 8)), out_sharding=axes)
 
     def __call__(self, x):
       return x @ self.w
+  return OneParam
+
+
+def test_model_errors_name_the_parameter():
+  import flax.linen as nn
+
   with pytest.raises(jaxpar.ConfigError, match=r"parameter w has logical axes \('heads', 'mlp'\)"):
     jaxpar.Trainer(jaxpar.config.load(), jaxpar.make_mesh("2x4x1"),
-                   jaxpar.from_nnx(TwoOnModel, lambda o, b: (o.sum(), {})))
+                   jaxpar.from_nnx(one_param(("heads", "mlp")), lambda o, b: (o.sum(), {})))
 
   class WithBatchNorm(nn.Module):
     @nn.compact
@@ -173,15 +178,9 @@ def test_model_errors_name_the_parameter():
     jaxpar.from_linen(WithBatchNorm(), np.zeros((1, 8), np.float32), lambda o, b: (o.sum(), {}),
                       path_rules=[(r"kernel", ("embed", "mlp")), (r".", ("mlp",))])
 
-  class OnData(nnx.Module):
-    def __init__(self, rngs):
-      self.w = nnx.Param(jnp.zeros((8, 8)), out_sharding=("batch", "mlp"))
-
-    def __call__(self, x):
-      return x @ self.w
   with pytest.raises(jaxpar.ConfigError, match=r"parameter w .* split it over the mesh axis 'data'"):
     jaxpar.Trainer(jaxpar.config.load(), jaxpar.make_mesh("2x1x1"),
-                   jaxpar.from_nnx(OnData, lambda o, b: (o.sum(), {})))
+                   jaxpar.from_nnx(one_param(("batch", "mlp")), lambda o, b: (o.sum(), {})))
 
 
 def test_a_metric_named_like_the_steps_own_is_refused():
