@@ -310,6 +310,12 @@ def test_a_signal_during_the_compile_exits_128_plus_it_without_crashing(tmp_path
   time.sleep(0.3)
   proc.send_signal(signal.SIGINT)
   out, err = proc.communicate(timeout=120)
+  if proc.returncode == 0 and "Exception ignored in: <function _xla_gc_callback" in err:
+    # The signal came while Python ran a garbage-collection callback, which drops the exception:
+    # the loop then stops after its first step, as documented (the lost-signal test above).
+    assert "received SIGINT: saved a checkpoint at step 1" in out + err, out + err
+    assert latest_step(workdir)[1] == [1]
+    return
   assert proc.returncode == 128 + signal.SIGINT, err
   assert err.splitlines()[-1].startswith("error: stopped by SIGINT"), err
   assert not latest_step(workdir)[1]
