@@ -339,8 +339,8 @@ DAMAGE = {  # what can happen to the newest step folder by hand (or a disk)
     "no state": lambda step: shutil.rmtree(step / "state"),
     "no extra": lambda step: shutil.rmtree(step / "extra"),
     "truncated metadata": lambda step: _truncate(step / "state" / "_METADATA", 100),
-    "truncated data": lambda step: _truncate(max(
-        (p for p in (step / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size), 1000),
+    "truncated data": lambda step: [_truncate(p, p.stat().st_size // 2)  # every data file: which
+                                    for p in (step / "state").rglob("d/*")],  # holds params varies
 }
 
 
