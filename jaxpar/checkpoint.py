@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from typing import Any
 
 import jax
@@ -37,7 +38,10 @@ def _reader(directory: str) -> ocp.CheckpointManager:
 
 def _tree(meta: Any) -> Any:
   """The plain tree of per-leaf metadata inside what an orbax `metadata()` call returned."""
-  meta = getattr(meta, "item_metadata", meta)  # a checkpointer's metadata is per step
+  if hasattr(meta, "item_metadata"):  # a checkpointer's metadata is per step
+    meta = meta.item_metadata
+    if meta is None:  # orbax reports an unreadable array index as no metadata
+      raise ValueError("the stored arrays' metadata cannot be read")
   return getattr(meta, "tree", meta)
 
 
@@ -197,6 +201,7 @@ def readable(directory: str, step: int, remedy: str):
   except ConfigError:
     raise
   except Exception as e:  # orbax and the file system raise many kinds; the user needs one line
+    _quiet_aborted_reads()
     detail = (str(e).strip().splitlines() or [""])[0][:160]
     older = [n for n in _steps_on_disk(directory) if n < step]
     raise ConfigError(
@@ -204,6 +209,23 @@ def readable(directory: str, step: int, remedy: str):
         f"{detail}): it is damaged, or was removed while being read; "
         + remedy.format(older=older[-1] if older else "none",
                         path=os.path.join(directory, str(step)))) from e
+
+
+def _quiet_aborted_reads() -> None:
+  """A failed read closes orbax's event loop while tensorstore still finishes the read's other
+  requests; each of them then reports 'Event loop is closed' as an unraisable error, a traceback
+  after the user's one line. From the first failed read on, those (and only those) are dropped."""
+  previous = sys.unraisablehook
+  if getattr(previous, "quiets_aborted_reads", False):
+    return
+
+  def hook(unraisable):
+    e = unraisable.exc_value
+    if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+      previous(unraisable)
+
+  hook.quiets_aborted_reads = True
+  sys.unraisablehook = hook
 
 
 def _steps_on_disk(directory: str) -> list[int]:

@@ -373,6 +373,21 @@ def test_a_damaged_newest_checkpoint_is_one_sentence_naming_it(two_checkpoints, 
                                  "--out", str(tmp_path / "x.safetensors")]) == 0
 
 
+def test_a_damaged_read_prints_nothing_after_its_sentence(two_checkpoints, tmp_path):
+  """tensorstore finishes an aborted read's other requests after orbax closed its event loop, and
+  each reported 'Event loop is closed' with a traceback below the sentence."""
+  workdir = tmp_path / "wd"
+  shutil.copytree(two_checkpoints, workdir)
+  DAMAGE["truncated data"](workdir / "checkpoints" / "8")
+  r = subprocess.run([sys.executable, str(ROOT / "scripts" / "export.py"), "--workdir",
+                      str(workdir), "--out", str(tmp_path / "x.safetensors")],
+                     capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+  assert r.returncode == 2, r.stderr
+  lines = r.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: the checkpoint of step 8 "), r.stderr
+  assert "metadata cannot be read" in lines[0] or "OUT_OF_RANGE" in lines[0], r.stderr
+
+
 def test_a_file_where_the_run_makes_a_folder_is_refused_before_training(tmp_path, capsys):
   for sub in ("checkpoints", "tb"):
     workdir = tmp_path / sub / "wd"
