@@ -13,7 +13,6 @@ import shlex
 import subprocess
 import sys
 
-import pytest
 from conftest import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
