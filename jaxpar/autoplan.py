@@ -435,7 +435,10 @@ def format_result(res: dict, top: int = 5) -> str:
                  f"{len(res['over_budget'])} over the memory budget")
   ranked = res["ranked"][:top]
   if not ranked:
-    lines.append("no layout fits the memory budget")
+    least = min(res["over_budget"], key=lambda r: r["memory_bytes"], default=None)
+    lines.append("no layout fits the memory budget" + (
+        f"; the least memory is {least['layout']}'s {_bytes(least['memory_bytes'])} per device"
+        if least else ""))
     return "\n".join(lines)
   lines.append("")
   head = ("#", "layout", "step", "compute", "collectives", "memory")

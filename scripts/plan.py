@@ -9,6 +9,8 @@ python scripts/plan.py --auto --devices N [--memory-per-device BYTES] [--device-
   device fit the budget (jaxpar/autoplan.py)
 python scripts/plan.py --analytic --devices N [--params PSI] [--state-bytes P,G,K] [...]
   the same ranking from formulas alone, with the ZeRO paper's model-state bytes per stage
+Exit code: 0 with a result, 1 when a search finds no layout within the memory budget (the output
+then names the one with the least memory), 2 for bad input.
 """
 from __future__ import annotations
 
@@ -109,7 +111,7 @@ def _search(args, cfg) -> int:
     else:
       result = autoplan.analytic(cfg, n, rates, budget, args.params, args.state_bytes)
   print(json.dumps(result) if args.json else autoplan.format_result(result, args.top))
-  return 0
+  return 0 if result["ranked"] else 1  # an answer, but no layout to train with
 
 
 def _check_search_args(args) -> None:

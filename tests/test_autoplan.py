@@ -37,6 +37,19 @@ def test_cli_analytic_prints_the_zero_paper_figures():
   assert "1 over the memory budget" in p.stdout
 
 
+def test_a_budget_nothing_fits_is_exit_1_naming_the_least_memory():
+  p = cli("--analytic", "--devices", "64", "--params", "7.5e9", "--state-bytes", "2,2,12",
+          "--device-kind", "a100", "--set", "train.batch_size=64", "--memory-per-device", "1e9")
+  assert p.returncode == 1, p.stderr
+  # ZeRO-3 on 64-way data parallelism holds the least: the paper's 1.88 GB.
+  assert p.stdout.rstrip().endswith("no layout fits the memory budget; the least memory is "
+                                    "64x1x1 ZeRO-3's 1.88 GB per device"), p.stdout
+  j = cli("--analytic", "--devices", "64", "--params", "7.5e9", "--state-bytes", "2,2,12",
+          "--device-kind", "a100", "--set", "train.batch_size=64", "--memory-per-device", "1e9",
+          "--json")
+  assert j.returncode == 1 and json.loads(j.stdout)["ranked"] == [], j.stderr
+
+
 def test_layouts_of_the_default_model_on_8_devices():
   cfg = config.load(None, [])  # 4 layers, 4 heads, batch 16
   lays, ruled_out = autoplan.layouts(cfg, 8)
