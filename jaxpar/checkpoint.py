@@ -171,6 +171,10 @@ class Checkpointer:
     out = mgr.restore(step, args=args)
     return out[STATE], out[EXTRA]
 
+  def saving(self) -> bool:
+    """Whether a save started here is still being written or committed."""
+    return self._mgr is not None and self._mgr.is_saving_in_progress()
+
   def wait(self) -> None:
     """Blocks until the save in flight, if any, is complete on disk."""
     if self._mgr is not None:

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from jaxpar import config as jconfig
+from jaxpar import distributed as jdistributed
 from jaxpar import hlo
 from jaxpar import mesh as jmesh
 from jaxpar import metrics as jmetrics
@@ -102,15 +103,28 @@ class _StopVote:
     self.gather = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
     self.pending = None  # the exchange sent after the previous step
 
+  def _send(self, value: int) -> jax.Array:
+    mine = np.array([value], np.int32)
+    return self.gather(jax.make_array_from_callback((len(self.owners),), self.sharding,
+                                                    lambda _: mine))
+
   def __call__(self, local: signal.Signals | None) -> dict[int, signal.Signals]:
     """Sends `local`; returns {process: signal} of the processes that asked one exchange ago."""
-    mine = np.array([int(local or 0)], np.int32)
-    sent = self.gather(jax.make_array_from_callback((len(self.owners),), self.sharding,
-                                                    lambda _: mine))
-    seen, self.pending = self.pending, sent
+    seen, self.pending = self.pending, self._send(int(local or 0))
     if seen is None:
       return {}
     return {p: signal.Signals(int(s)) for p, s in zip(self.owners, np.asarray(seen)) if s}
+
+  def until_saved(self, saving) -> None:
+    """Returns once no process has a save in flight (`saving()`: this process's).
+
+    orbax would wait too, at a barrier of JAX's coordination service, which notices a dead process
+    only after the heartbeat timeout (100 s by default) and then aborts this one with a C++ stack
+    trace. This exchange is a collective: a dead process fails it at once, as a lost peer. Every
+    process sees the same answers, so all make the same exchanges.
+    """
+    while np.asarray(self._send(int(saving()))).any():
+      time.sleep(0.02)
 
 
 def _say_stopped(asked: dict[int, signal.Signals], own: signal.Signals | None, step: int,
@@ -263,6 +277,7 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
   warm_s, warm_steps = 0.0, 0  # a fresh run's first interval: the rate's fallback (see below)
   step = start
   stopped = None
+  peer_lost = False
   eval_step = None
 
   def evaluate(params) -> dict:
@@ -345,17 +360,25 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
         if step % cfg.train.log_every == 0 or save_now or eval_now:
           flush(step, extra)
         if save_now:
+          if vote is not None:
+            vote.until_saved(ckpt.saving)  # orbax starts a save by waiting for the previous one
           ckpt.maybe_save(step, trainer.to_logical(state), {"data": batches.state(), "config": jconfig.to_dict(cfg),
                                                         "skipped_steps": skipped[0]},
                           force=True)
         if stopping:
           stopped = asked
           break
+      if vote is not None:
+        vote.until_saved(ckpt.saving)
+    except Exception as e:
+      peer_lost = jdistributed.lost_peer(e) is not None
+      raise
     finally:
       if window:
         window.stop()
-      ckpt.wait()
-      ckpt.close()
+      if not peer_lost:  # a save in flight waits at a barrier for the dead process: leave it
+        ckpt.wait()      # incomplete, so the last complete checkpoint is the one resumed
+        ckpt.close()
       batches.close()
       if evals is not None:
         evals.close()

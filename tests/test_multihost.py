@@ -170,18 +170,24 @@ def test_each_process_reads_its_own_share_of_an_epoch(processes):
   assert sorted(sum(seen, [])) == list(range(64))
 
 
-def test_a_lost_process_stops_the_launcher(tmp_path, env):
+def test_a_lost_process_stops_the_launcher_and_the_relaunch_resumes(tmp_path, env):
+  """Process 1 is killed while checkpoints are being written (one every step): process 0 says so
+  at once and exits (it waited at orbax's barrier for the dead process, 100 s until JAX's heartbeat
+  timeout aborted it, or until the launcher killed it), and both processes, started again, resume
+  from the newest complete checkpoint."""
   metrics, out_file, err_file = tmp_path / "m.jsonl", tmp_path / "out", tmp_path / "err"
-  args = train_args(tmp_path / "wd", metrics, 100000, mesh="2x1x1")
+  ckpts = tmp_path / "wd" / "checkpoints"
+  args = train_args(tmp_path / "wd", metrics, 100000, mesh="2x1x1") + ["checkpoint.every=1"]
+  complete = lambda: sorted(int(d.name) for d in ckpts.glob("*") if d.name.isdigit())
   with open(out_file, "w") as out, open(err_file, "w") as err:
     p = subprocess.Popen([sys.executable, LAUNCH, "--processes", "2", "--", *args], stdout=out,
                          stderr=err, env=env, cwd=ROOT)
   try:
     deadline = time.monotonic() + 150
-    while time.monotonic() < deadline and p.poll() is None:
-      if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+    while time.monotonic() < deadline and p.poll() is None:  # once a save is complete
+      if complete():
         break
-      time.sleep(0.2)
+      time.sleep(0.005)
     assert p.poll() is None, err_file.read_text()
     pid = re.search(r"process 1 as pid (\d+)", err_file.read_text())
     os.kill(int(pid[1]), signal.SIGKILL)
@@ -194,8 +200,15 @@ def test_a_lost_process_stops_the_launcher(tmp_path, env):
   err = err_file.read_text()
   assert p.returncode != 0 and elapsed < 120, err
   rank0 = [l for l in err.splitlines() if l.startswith("[0] ") and "Gloo] Rank" not in l]
-  assert "lost process 1" in rank0[-1], err
-  assert "[launcher] process 1 failed first (signal SIGKILL)" in err
+  assert rank0 and "lost process 1" in rank0[-1], err
+  assert "[launcher] process 1 failed first (signal SIGKILL); process 0 ended with exit code 1" in err
+  start = complete()[-1]
+  again = tmp_path / "again.jsonl"
+  r = run([LAUNCH, "--processes", "2", "--", *train_args(tmp_path / "wd", again, start + 2,
+                                                         mesh="2x1x1"), "checkpoint.every=1"], env)
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert f"[0] resuming from the checkpoint at step {start} " in r.stdout + r.stderr
+  assert sorted(losses(again)) == [start + 1, start + 2]
 
 
 class Launch:
