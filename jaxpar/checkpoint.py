@@ -9,7 +9,9 @@ next run deletes it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import re
 import sys
 from typing import Any
 
@@ -17,7 +19,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxpar.config import ConfigError
+from jaxpar.config import ConfigError, RunError
 from jaxpar.metrics import quiet_absl
 from jaxpar.rules import path_str
 
@@ -84,13 +86,71 @@ def check_shapes(stored: Any, target: Any) -> None:
                       f"({len(unknown)} stored entries are not)")
 
 
+class SaveError(RunError):
+  """A checkpoint could not be written (a full disk, a folder made read-only): the run stops, and
+  the last complete checkpoint stays what a new run resumes from."""
+
+
+class _HeldErrors(logging.Filter):
+  """orbax's background threads log a failed save's error, several times and with tracebacks,
+  before the main thread learns of it; held back here while we save, since the SaveError that
+  follows says it in one sentence. The first is kept for `Checkpointer.close`."""
+
+  def __init__(self):
+    super().__init__()
+    self.first: str | None = None
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname:
+      return True
+    self.first = self.first or record.getMessage()
+    return False
+
+
+def _os_reason(e: BaseException) -> str:
+  """'No space left on device' from tensorstore's or the OS's text, else the first line."""
+  text = str(e)
+  m = re.search(r"([A-Za-z][^:\[\]]*) \[os_error_code='?(\d+)'?\]", text)
+  if m:
+    return m[1].strip()
+  if isinstance(e, OSError) and e.strerror:
+    return e.strerror
+  return (text.strip().splitlines() or [type(e).__name__])[0][:160]
+
+
 class Checkpointer:
-  """Periodic async saves of the sharded train state under `directory`; restores onto any mesh."""
+  """Periodic async saves of the sharded train state under `directory`; restores onto any mesh.
+
+  A save that fails (in the background) surfaces at the next save, wait or close as one SaveError
+  naming the step and the last complete checkpoint; after it, wait and close only release.
+  """
 
   def __init__(self, directory: str, keep: int, every: int, async_save: bool = True):
     self.directory, self.keep, self.every, self.async_save = directory, keep, every, async_save
     self._mgr: ocp.CheckpointManager | None = None
     self._writing = False
+    self._in_flight: int | None = None  # the step of the last save started
+    self._failed = False
+    self._held = _HeldErrors()
+
+  @contextlib.contextmanager
+  def _writes(self):
+    """Turns a failed save surfacing inside the block into one SaveError."""
+    try:
+      yield
+    except Exception as e:
+      if self._in_flight is None or self._failed:
+        raise
+      self._failed = True
+      _quiet_aborted_io()
+      step = self._in_flight
+      kept = [n for n in _steps_on_disk(self.directory) if n < step]
+      raise SaveError(
+          f"the checkpoint of step {step} could not be written in {self.directory} "
+          f"({_os_reason(e)}); the run stops here, and "
+          + (f"a run started again resumes from the last complete checkpoint (step {kept[-1]})"
+             if kept else "no checkpoint is complete, so a run started again starts at step 0")
+          ) from e
 
   def _writer(self) -> ocp.CheckpointManager:
     """The manager that saves, created by the first save (which is when the directory appears)."""
@@ -103,6 +163,8 @@ class Checkpointer:
           # since a reader could be beside a live run whose save is in flight.
           cleanup_tmp_directories=True)
       self._mgr, self._writing = _manager(self.directory, options), True
+      logging.getLogger("absl").addFilter(self._held)
+      _quiet_aborted_io()  # a failed write's late callbacks print before the main thread hears
     return self._mgr
 
   def _read(self) -> ocp.CheckpointManager | None:
@@ -112,7 +174,7 @@ class Checkpointer:
         return None
       self._mgr = _reader(self.directory)
     elif self._writing:
-      self._mgr.wait_until_finished()  # orbax lists a step as soon as its save starts
+      self.wait()  # orbax lists a step as soon as its save starts
     else:
       self._mgr.reload()  # another process may have saved since
     return self._mgr
@@ -143,7 +205,13 @@ class Checkpointer:
       return False
     args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state),
                                  EXTRA: ocp.args.JsonSave(extra)})
-    return bool(mgr.save(step, args=args, force=True))
+    with self._writes():  # orbax first waits for the previous save, which may have failed
+      started = bool(mgr.save(step, args=args, force=True))
+    self._in_flight = step if started else self._in_flight
+    with self._writes():  # a synchronous save fails here
+      if not self.async_save:
+        mgr.wait_until_finished()
+    return started
 
   def _have(self, step: int) -> ocp.CheckpointManager:
     mgr = self._read()
@@ -177,15 +245,24 @@ class Checkpointer:
 
   def wait(self) -> None:
     """Blocks until the save in flight, if any, is complete on disk."""
-    if self._mgr is not None:
-      self._mgr.wait_until_finished()
+    if self._mgr is not None and not self._failed:
+      with self._writes():
+        self._mgr.wait_until_finished()
 
   def close(self) -> None:
     """Waits for the save in flight, then releases orbax's threads."""
-    if self._mgr is not None:
-      self._mgr.wait_until_finished()
-      self._mgr.close()
+    if self._mgr is None:
+      return
+    try:
+      self.wait()
+    finally:
+      with contextlib.suppress(Exception) if self._failed else contextlib.nullcontext():
+        self._mgr.close()
       self._mgr, self._writing = None, False
+      logging.getLogger("absl").removeFilter(self._held)
+      if self._held.first and not self._failed:  # held back, yet no save failed: say it
+        print(f"note: orbax reported while saving: {self._held.first.splitlines()[0][:300]}",
+              file=sys.stderr)
 
   def __enter__(self) -> "Checkpointer":
     return self
@@ -205,7 +282,7 @@ def readable(directory: str, step: int, remedy: str):
   except ConfigError:
     raise
   except Exception as e:  # orbax and the file system raise many kinds; the user needs one line
-    _quiet_aborted_reads()
+    _quiet_aborted_io()
     detail = (str(e).strip().splitlines() or [""])[0][:160]
     older = [n for n in _steps_on_disk(directory) if n < step]
     raise ConfigError(
@@ -215,12 +292,12 @@ def readable(directory: str, step: int, remedy: str):
                         path=os.path.join(directory, str(step)))) from e
 
 
-def _quiet_aborted_reads() -> None:
-  """A failed read closes orbax's event loop while tensorstore still finishes the read's other
+def _quiet_aborted_io() -> None:
+  """A failed read or write closes orbax's event loop while tensorstore still finishes its other
   requests; each of them then reports 'Event loop is closed' as an unraisable error, a traceback
-  after the user's one line. From the first failed read on, those (and only those) are dropped."""
+  after the user's one line. From the first failure on, those (and only those) are dropped."""
   previous = sys.unraisablehook
-  if getattr(previous, "quiets_aborted_reads", False):
+  if getattr(previous, "quiets_aborted_io", False):
     return
 
   def hook(unraisable):
@@ -228,7 +305,7 @@ def _quiet_aborted_reads() -> None:
     if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
       previous(unraisable)
 
-  hook.quiets_aborted_reads = True
+  hook.quiets_aborted_io = True
   sys.unraisablehook = hook
 
 

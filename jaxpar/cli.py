@@ -11,7 +11,7 @@ import traceback
 from jaxpar import config as jconfig
 from jaxpar import hostmem
 from jaxpar import mesh as jmesh
-from jaxpar.config import ConfigError
+from jaxpar.config import ConfigError, RunError
 from jaxpar.distributed import DistributedError
 
 
@@ -108,7 +108,8 @@ def guard(body, debug: bool, exit_on_signal: bool = False) -> int:
 
   `exit_on_signal` (the scripts): after a signal the process ends there, without the
   interpreter's teardown, which could crash (exit 139) freeing a compile the signal cut short;
-  before the training loop nothing is left to finish on disk."""
+  before the training loop nothing is left to finish on disk. So does a RunError (exit 1).
+  """
   old = {}
   for sig in (signal.SIGINT, signal.SIGTERM):
     try:
@@ -132,10 +133,14 @@ def guard(body, debug: bool, exit_on_signal: bool = False) -> int:
       traceback.print_exc()
     print(f"error: {e}", file=sys.stderr)
     return 2
-  except (FloatingPointError, DistributedError) as e:
+  except (FloatingPointError, DistributedError, RunError) as e:
     if debug:
       traceback.print_exc()
     print(f"error: {e}", file=sys.stderr)
+    if exit_on_signal and isinstance(e, RunError):  # orbax's threads would still print as the
+      sys.stdout.flush()                            # interpreter tears down
+      sys.stderr.flush()
+      os._exit(1)
     return 1
   finally:
     for sig, handler in old.items():

@@ -19,6 +19,11 @@ class ConfigError(ValueError):
   """Bad user input: the message is one sentence the CLI prints before exiting with code 2."""
 
 
+class RunError(RuntimeError):
+  """The run cannot go on for a reason outside its input (a full disk): the message is one
+  sentence the CLI prints before exiting with code 1."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
   kind: str = "gpt"  # gpt (GPT-2 style) | llama (RMSNorm, rotary, SwiGLU) | cnn

@@ -376,12 +376,13 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
     finally:
       if window:
         window.stop()
-      if not peer_lost:  # a save in flight waits at a barrier for the dead process: leave it
-        ckpt.wait()      # incomplete, so the last complete checkpoint is the one resumed
-        ckpt.close()
-      batches.close()
-      if evals is not None:
-        evals.close()
+      try:
+        if not peer_lost:  # a save in flight waits at a barrier for the dead process: leave it
+          ckpt.close()     # incomplete, so the last complete checkpoint is the one resumed
+      finally:             # (close waits for the save in flight; a failed one is a SaveError)
+        batches.close()
+        if evals is not None:
+          evals.close()
 
   if stopped:
     _say_stopped(stopped, stop.requested, step, log if is_main else None)

@@ -388,6 +388,27 @@ def test_a_damaged_read_prints_nothing_after_its_sentence(two_checkpoints, tmp_p
   assert "metadata cannot be read" in lines[0] or "OUT_OF_RANGE" in lines[0], r.stderr
 
 
+def test_a_checkpoint_that_cannot_be_written_is_one_sentence_and_exit_1(tmp_path):
+  workdir, metrics = tmp_path / "wd", tmp_path / "m.jsonl"
+  train(workdir, metrics, 4, "checkpoint.every=2")
+  # Writes past 20 KB of a file fail (EFBIG; SIGXFSZ ignored), like a full disk's: a step's data
+  # files are ~100 KB. A compilation cache entry would fail too, and JAX warns of that.
+  limited = ["bash", "-c", 'ulimit -f 20 && trap "" XFSZ && exec "$@"', "train",
+             *train_args(workdir, metrics, 8, "checkpoint.every=2")]
+  r = subprocess.run(limited, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                     env=dict(child_env(), JAX_ENABLE_COMPILATION_CACHE="false"))
+  assert r.returncode == 1, r.stderr
+  lines = [l for l in r.stderr.splitlines() if l.strip()]
+  ckpts = workdir / "checkpoints"
+  assert lines == [f"error: the checkpoint of step 6 could not be written in {ckpts} (File too "
+                   f"large); the run stops here, and a run started again resumes from the last "
+                   f"complete checkpoint (step 4)"], r.stderr
+  assert checkpoint.Checkpointer(str(ckpts), 3, 2).all_steps() == [2, 4]
+  r = subprocess.run(train_args(workdir, metrics, 6, "checkpoint.every=2"), capture_output=True,
+                     text=True, timeout=300, env=_env(), cwd=ROOT)
+  assert r.returncode == 0 and "resuming from the checkpoint at step 4 " in r.stdout, r.stderr
+
+
 def test_a_file_where_the_run_makes_a_folder_is_refused_before_training(tmp_path, capsys):
   for sub in ("checkpoints", "tb"):
     workdir = tmp_path / sub / "wd"
