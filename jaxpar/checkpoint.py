@@ -134,17 +134,20 @@ class Checkpointer:
     self._held = _HeldErrors()
 
   @contextlib.contextmanager
-  def _writes(self):
-    """Turns a failed save surfacing inside the block into one SaveError."""
+  def _writes(self, starting: int | None = None):
+    """Turns a failed save surfacing inside the block into one SaveError: the one in flight if it
+    is incomplete, else `starting` (the save the block starts)."""
     try:
       yield
     except Exception as e:
-      if self._in_flight is None or self._failed:
+      on_disk = _steps_on_disk(self.directory)
+      step = (self._in_flight if self._in_flight is not None and self._in_flight not in on_disk
+              else starting)
+      if step is None or self._failed:
         raise
       self._failed = True
       _quiet_aborted_io()
-      step = self._in_flight
-      kept = [n for n in _steps_on_disk(self.directory) if n < step]
+      kept = [n for n in on_disk if n < step]
       raise SaveError(
           f"the checkpoint of step {step} could not be written in {self.directory} "
           f"({_os_reason(e)}); the run stops here, and "
@@ -205,7 +208,7 @@ class Checkpointer:
       return False
     args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state),
                                  EXTRA: ocp.args.JsonSave(extra)})
-    with self._writes():  # orbax first waits for the previous save, which may have failed
+    with self._writes(starting=step):  # orbax first waits for the previous save
       started = bool(mgr.save(step, args=args, force=True))
     self._in_flight = step if started else self._in_flight
     with self._writes():  # a synchronous save fails here
