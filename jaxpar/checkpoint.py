@@ -275,14 +275,14 @@ class Checkpointer:
 
 
 @contextlib.contextmanager
-def readable(directory: str, step: int, remedy: str):
+def readable(directory: str, step: int, remedy: tuple[str, str]):
   """Reads of checkpoint `step` inside the block that fail (a step folder damaged by hand, or
   removed by a running job's rotation while it was read) become one ConfigError sentence naming
-  the step and ending in `remedy`, which may use {older} (the newest step before it, or 'none')
-  and {path} (the step's folder)."""
+  the step and ending in `remedy`: (with a complete step before it, which {older} names; with
+  none), each of which may use {path} (the step's folder)."""
   try:
     yield
-  except ConfigError:
+  except (ConfigError, RunError):
     raise
   except Exception as e:  # orbax and the file system raise many kinds; the user needs one line
     _quiet_aborted_io()
@@ -291,8 +291,8 @@ def readable(directory: str, step: int, remedy: str):
     raise ConfigError(
         f"the checkpoint of step {step} in {directory} cannot be read ({type(e).__name__}: "
         f"{detail}): it is damaged, or was removed while being read; "
-        + remedy.format(older=older[-1] if older else "none",
-                        path=os.path.join(directory, str(step)))) from e
+        + remedy[0 if older else 1].format(older=older[-1] if older else None,
+                                           path=os.path.join(directory, str(step)))) from e
 
 
 def _quiet_aborted_io() -> None:

@@ -6,6 +6,8 @@ with plain orbax as whole numpy arrays.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import gc
 import json
 import os
@@ -17,14 +19,30 @@ import numpy as np
 
 import jaxpar
 from jaxpar import checkpoint
-from jaxpar.config import ConfigError
+from jaxpar.config import ConfigError, RunError
 from jaxpar.rules import path_str
 
 SUFFIX = ".safetensors"
 
 
 # What export and generate say when the step they read cannot be read (checkpoint.readable).
-STEP_REMEDY = "retry, or pass --step {older} for the step before"
+STEP_REMEDY = ("retry, or pass --step {older} for the step before",
+               "retry (no step before it is complete)")
+
+# What a full disk, a file size limit or a read-only file system say when an output is written.
+_FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS)
+
+
+@contextlib.contextmanager
+def writes(path: str):
+  """An output that cannot be written for want of space becomes one RunError sentence (exit 1);
+  whoever writes it removes what was half-written."""
+  try:
+    yield
+  except OSError as e:
+    if e.errno not in _FULL:
+      raise
+    raise RunError(f"could not write {path} ({e.strerror}); nothing of it is left") from e
 
 
 def checkpoint_step(workdir: str, step: int | None = None) -> tuple[str, int]:
@@ -86,10 +104,11 @@ def write_safetensors(shapes: dict[str, tuple[tuple[int, ...], Any]],
   the host holds one tensor at a time. Atomic (a temporary file beside it, then a rename), with
   mode 0666 & ~umask."""
   parent = os.path.dirname(os.path.abspath(out))
-  os.makedirs(parent, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)
+  with writes(out):
+    os.makedirs(parent, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)
   try:
-    with os.fdopen(fd, "wb") as f:
+    with writes(out), os.fdopen(fd, "wb") as f:  # a read's failure is no write's: not ENOSPC
       f.write(_header(shapes, metadata))
       for name, (shape, dtype) in shapes.items():
         x = np.asarray(read(name))
@@ -131,7 +150,13 @@ def export(workdir: str, out: str, step: int | None = None) -> dict:
     write_safetensors(shapes, lambda name: checkpoint.read_param(directory, step, name), out,
                       {"format": "jaxpar", "jaxpar_version": jaxpar.__version__,
                        "step": str(step)})
-  with open(config_path(out), "w") as f:
-    json.dump(info, f, indent=2)
-    f.write("\n")
+  try:
+    with writes(config_path(out)), open(config_path(out), "w") as f:
+      json.dump(info, f, indent=2)
+      f.write("\n")
+  except BaseException:
+    for path in (out, config_path(out)):  # both or neither
+      if os.path.exists(path):
+        os.remove(path)
+    raise
   return info

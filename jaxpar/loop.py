@@ -161,7 +161,8 @@ def _batch_abstract(element_spec: dict, process_count: int) -> dict:
 
 
 # What a run whose newest checkpoint cannot be read is told (checkpoint.readable).
-RESUME_REMEDY = "move {path} away to resume from the step before ({older})"
+RESUME_REMEDY = ("move {path} away to resume from the step before ({older})",
+                 "move {path} away to start again from step 0 (no step before it is complete)")
 
 
 def resumable(cfg: Config, ckpt_dir: str) -> int | None:

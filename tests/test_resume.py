@@ -409,6 +409,31 @@ def test_a_checkpoint_that_cannot_be_written_is_one_sentence_and_exit_1(tmp_path
   assert r.returncode == 0 and "resuming from the checkpoint at step 4 " in r.stdout, r.stderr
 
 
+def test_a_damaged_oldest_checkpoint_offers_no_step_before_it(two_checkpoints, tmp_path, capsys):
+  workdir = tmp_path / "wd"
+  shutil.copytree(two_checkpoints, workdir)
+  DAMAGE["no state"](workdir / "checkpoints" / "4")
+  code = _script_main("export")(["--workdir", str(workdir), "--step", "4",
+                                 "--out", str(tmp_path / "x.safetensors")])
+  err = capsys.readouterr().err
+  assert code == 2 and err.rstrip().endswith("retry (no step before it is complete)"), err
+
+
+def test_an_export_that_cannot_be_written_is_one_sentence_and_leaves_nothing(two_checkpoints,
+                                                                              tmp_path):
+  # Writes past 1 KB of a file fail (EFBIG, SIGXFSZ ignored), as on a full disk.
+  for flag, out, made in (("--out", tmp_path / "x.safetensors", tmp_path / "x.safetensors"),
+                          ("--hf", tmp_path / "hf", tmp_path / "hf" / "model.safetensors")):
+    r = subprocess.run(["bash", "-c", 'ulimit -f 1 && trap "" XFSZ && exec "$@"', "export",
+                        sys.executable, str(ROOT / "scripts" / "export.py"), "--workdir",
+                        str(two_checkpoints), flag, str(out)],
+                       capture_output=True, text=True, timeout=300, env=child_env(), cwd=ROOT)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.splitlines() == [f"error: could not write {made} (File too large); nothing "
+                                     f"of it is left"], r.stderr
+    assert sorted(tmp_path.iterdir()) == [], flag  # no file, no temporary, no folder
+
+
 def test_a_file_where_the_run_makes_a_folder_is_refused_before_training(tmp_path, capsys):
   for sub in ("checkpoints", "tb"):
     workdir = tmp_path / sub / "wd"

@@ -255,7 +255,7 @@ def export(workdir: str, out_dir: str, step: int | None = None) -> dict:
 def _export(directory: str, step: int, out_dir: str, cfg) -> dict:
   """`export` once the step is chosen and its config read."""
   from jaxpar import checkpoint
-  from jaxpar.export import write_safetensors
+  from jaxpar.export import write_safetensors, writes
   mc = cfg.model
   if mc.kind not in ("gpt", "llama"):
     raise ConfigError(f"model.kind={mc.kind!r} has no Hugging Face layout; gpt and llama do")
@@ -279,7 +279,8 @@ def _export(directory: str, step: int, out_dir: str, cfg) -> dict:
   write_safetensors(shapes, lambda n: tensors[n][1](*[param(p) for p in tensors[n][0]]),
                     os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
   hf = hf_config(mc, cfg)
-  with open(os.path.join(out_dir, "config.json"), "w") as f:
+  path = os.path.join(out_dir, "config.json")
+  with writes(path), open(path, "w") as f:
     json.dump(hf, f, indent=2)
     f.write("\n")
   return hf
