@@ -110,7 +110,7 @@ class _HeldErrors(logging.Filter):
 def _os_reason(e: BaseException) -> str:
   """'No space left on device' from tensorstore's or the OS's text, else the first line."""
   text = str(e)
-  m = re.search(r"([A-Za-z][^:\[\]]*) \[os_error_code='?(\d+)'?\]", text)
+  m = re.search(r"([A-Za-z][^:\[\]]*) \[os_error_code=", text)
   if m:
     return m[1].strip()
   if isinstance(e, OSError) and e.strerror:
@@ -145,8 +145,7 @@ class Checkpointer:
               else starting)
       if step is None or self._failed:
         raise
-      self._failed = True
-      _quiet_aborted_io()
+      self._failed = True  # (the writer quieted the aborted I/O's late callbacks already)
       kept = [n for n in on_disk if n < step]
       raise SaveError(
           f"the checkpoint of step {step} could not be written in {self.directory} "

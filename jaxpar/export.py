@@ -108,7 +108,7 @@ def write_safetensors(shapes: dict[str, tuple[tuple[int, ...], Any]],
     os.makedirs(parent, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)
   try:
-    with writes(out), os.fdopen(fd, "wb") as f:  # a read's failure is no write's: not ENOSPC
+    with writes(out), os.fdopen(fd, "wb") as f:  # reads fail otherwise than for want of space
       f.write(_header(shapes, metadata))
       for name, (shape, dtype) in shapes.items():
         x = np.asarray(read(name))
