@@ -279,12 +279,12 @@ def readable(directory: str, step: int, remedy: tuple[str, str]):
   removed by a running job's rotation while it was read) become one ConfigError sentence naming
   the step and ending in `remedy`: (with a complete step before it, which {older} names; with
   none), each of which may use {path} (the step's folder)."""
+  _quiet_aborted_io()  # before the read: a failed one's late callbacks may beat its exception
   try:
     yield
   except (ConfigError, RunError):
     raise
   except Exception as e:  # orbax and the file system raise many kinds; the user needs one line
-    _quiet_aborted_io()
     detail = (str(e).strip().splitlines() or [""])[0][:160]
     older = [n for n in _steps_on_disk(directory) if n < step]
     raise ConfigError(
@@ -297,7 +297,8 @@ def readable(directory: str, step: int, remedy: tuple[str, str]):
 def _quiet_aborted_io() -> None:
   """A failed read or write closes orbax's event loop while tensorstore still finishes its other
   requests; each of them then reports 'Event loop is closed' as an unraisable error, a traceback
-  after the user's one line. From the first failure on, those (and only those) are dropped."""
+  around the user's one line. Installed before reading or writing; it drops those (and only
+  those) from then on."""
   previous = sys.unraisablehook
   if getattr(previous, "quiets_aborted_io", False):
     return
