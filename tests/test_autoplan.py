@@ -104,6 +104,27 @@ def test_budget_rejects_what_does_not_fit(auto_default):
   assert not autoplan.rank(rows, peaks[0] - 1)[0]
 
 
+def test_ranked_bytes_are_the_compiled_programs(auto_default):
+  # Ground truth outside the ranking: plan.py's compiled program for each layout --auto ranked
+  # (the persistent compilation cache makes these two compiles loads). A budget between their
+  # peaks then rejects exactly the layout whose compiled step needs more than it.
+  from jaxpar import plan
+  cfg = autoplan.for_device(config.load(None, []), "cpu")
+  compiled = {}
+  for row in auto_default["ranked"]:
+    lay = autoplan.Layout(tuple(int(s) for s in row["mesh"].split("x")), row["zero_stage"],
+                          row["schedule"] or "", row["microbatches"] or 1, row["virtual_stages"])
+    assert str(lay) == row["layout"]
+    compiled[row["layout"]] = plan.plan(lay.apply(cfg), lay.mesh)["compiled"]["peak_bytes"]
+    assert row["memory_bytes"] == compiled[row["layout"]], row["layout"]
+  least, most = sorted(compiled.values())[0], sorted(compiled.values())[-1]
+  assert least < most  # ZeRO-2 and ZeRO-0 of 8x1x1: the budget below separates them
+  budget = (least + most) / 2
+  fit, over = autoplan.rank([dict(x) for x in auto_default["ranked"]], budget)
+  assert [x["layout"] for x in over] == [k for k, v in compiled.items() if v > budget]
+  assert [x["layout"] for x in fit] == [k for k, v in compiled.items() if v <= budget]
+
+
 @pytest.mark.parametrize("args", [["--auto"], ["--auto", "--devices", "8", "--mesh", "8x1x1"],
                                   ["--auto", "--devices", "8", "--memory-per-device", "lots"],
                                   ["--auto", "--devices", "2", "--time-limit", "nan"],
