@@ -19,6 +19,7 @@ import torch  # the test extra installs both
 import transformers
 
 from jaxpar import checkpoint, config, loop
+from jaxpar import data as jdata
 from jaxpar import mesh as jmesh
 from jaxpar import model as jmodel
 from jaxpar.interop import hf
@@ -160,7 +161,7 @@ def test_round_trip_loads_in_transformers_with_the_same_logits(folders, tmp_path
     np.testing.assert_array_equal(got, want)
 
 
-def test_fine_tune_from_a_folder_trains(folders, tmp_path):
+def test_fine_tune_from_a_folder_trains(folders, tmp_path, monkeypatch):
   """`model.init_from` starts a run from the folder's weights, on a ZeRO-3 pipeline layout."""
   folder = str(tmp_path / "llama256")  # byte tokens need a vocabulary of 256
   cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
@@ -170,12 +171,30 @@ def test_fine_tune_from_a_folder_trains(folders, tmp_path):
   write_tokenizer(folder)
   cfg = config.load(None, [f"model.init_from={folder}", f"model.seq_len={T}", f"train.batch_size={B}",
                            "data.source=synthetic", "train.steps=2", "precision.compute_dtype=float32"])
-  logs = []
+  logs, first = [], []
+  make_loader = jdata.make_loader
+
+  def recording(*args, **kwargs):  # keeps the first batch the run trains on
+    loader = make_loader(*args, **kwargs)
+    next_batch = loader.next
+
+    def recorded():
+      batch = next_batch()
+      if not first:
+        first.append(np.array(batch["tokens"]))
+      return batch
+    loader.next = recorded
+    return loader
+  monkeypatch.setattr(jdata, "make_loader", recording)
   result = loop.run(cfg, (2, 2, 2), str(tmp_path / "wd"), progress=False, log=logs.append)
   assert any("initialised from the model folder" in line for line in logs)
   assert result.steps == 2 and np.isfinite(result.losses[2])
-  # the folder's random weights (std 0.1) are far from a fresh init's near-uniform log(256)
-  assert abs(result.losses[1] - np.log(256)) > 0.05
+  # Step 1's loss is taken before the first update: transformers' loss on that same batch, to
+  # the fp32 tolerance of the logits tests (a weight not loaded, or loaded transposed, is far off).
+  toks = first[0]
+  assert toks.shape == (B, T + 1)
+  want = cross_entropy(hf_logits(folder, toks[:, :-1]), toks[:, 1:])
+  assert result.losses[1] == pytest.approx(want, rel=RTOL)
 
   # generate.py speaks the folder's tokenizer; export.py --hf hands the run back to transformers
   from jaxpar import generate
