@@ -1,6 +1,7 @@
-"""Half-precision parameters on layouts that sum gradients over devices: every sum over `data`
-(all-reduce, and the reduce-scatter that is the transpose of ZeRO-3's all-gather) and over
-`pipeline` runs in float32, and the first step's gradients match one device's.
+"""Half precision on layouts that sum over devices: every sum over `data` (all-reduce, and the
+reduce-scatter that is the transpose of ZeRO-3's all-gather), over `pipeline`, and sequence
+parallelism's reduce-scatters over `model` (forward and backward) runs in float32, and the first
+step's loss and gradients match one device's.
 
 A bfloat16 sum over many devices drops the small terms; XLA:CPU also aborted the process
 compiling this step's bfloat16 all-reduce (`Invalid binary instruction opcode copy`), so the
@@ -62,4 +63,43 @@ def test_half_precision_gradients_are_summed_in_float32(one_device, name):
   want_loss, want_grads = one_device
   assert abs(loss - want_loss) <= 1e-5 * abs(want_loss)
   assert all(g.dtype == jnp.bfloat16 for g in jax.tree_util.tree_leaves(grads))
+  assert eq.rel_err(grads, want_grads) < GRAD_RTOL
+
+
+# Sequence parallelism with bfloat16 activations: the row-parallel reduce-scatter along seq and the
+# column-parallel backward's (the transpose of its all-gather) sum half-precision partial sums.
+SP = ["parallel.sequence_parallel=true", "precision.compute_dtype=bfloat16"]
+SP_LOSS_RTOL = 1e-3  # a bfloat16 forward (8 bits of mantissa) summed in another order; measured ~1e-5
+
+
+def first_step(shape, extra, check=None):
+  """(loss, grads) of one step; `check` sees the lowered program's text before it is compiled."""
+  cfg = eq.make_cfg(*extra)
+  t = eq.trainer(cfg, shape, expose_grads=True)
+  batch = {"tokens": jnp.asarray(eq.batches(cfg, 1)[0])}
+  lowered = t.lower(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch))
+  if check:
+    check(lowered.as_text())
+  step = lowered.compile()
+  with jax.set_mesh(t.mesh):
+    _, m = step(t.init(cfg.train.seed), batch)
+  return float(m["loss"]), jax.device_get(m["grads"])
+
+
+@pytest.fixture(scope="module")
+def one_device_bf16():
+  return {kind: first_step((1, 1, 1), [f"model.kind={kind}", SP[1]]) for kind in ("gpt", "llama")}
+
+
+def sums_seq_in_float32(text):
+  assert "stablehlo.reduce_scatter" in text, "no reduce-scatter: sequence parallelism is off"
+  assert half_reductions(text) == []
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.parametrize("shape", [(1, 2, 1), (2, 2, 1)], ids=["1x2x1", "2x2x1"])
+def test_sequence_parallel_bf16_sums_in_float32(one_device_bf16, kind, shape):
+  loss, grads = first_step(shape, [f"model.kind={kind}", *SP], check=sums_seq_in_float32)
+  want_loss, want_grads = one_device_bf16[kind]
+  assert abs(loss - want_loss) <= SP_LOSS_RTOL * abs(want_loss)
   assert eq.rel_err(grads, want_grads) < GRAD_RTOL

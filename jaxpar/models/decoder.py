@@ -91,7 +91,10 @@ def _gather_seq(x):
 
 
 def _scatter_seq(y):
-  return jax.lax.psum_scatter(y, MODEL, scatter_dimension=1, tiled=True)
+  # summed in float32 like every sum over `data`: a half-precision reduce-scatter loses the small
+  # partial sums, and XLA:CPU aborts the process compiling it
+  return zero.in_float32(
+      lambda y: jax.lax.psum_scatter(y, MODEL, scatter_dimension=1, tiled=True))(y)
 
 
 def _manual_now(manual) -> frozenset:
