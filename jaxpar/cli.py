@@ -46,7 +46,62 @@ def setup(args, processes: int = 1) -> tuple[jconfig.Config, tuple[int, int, int
     print(f"jaxpar: simulating {local} CPU devices{each} for mesh {args.mesh} "
           f"(XLA_FLAGS=--xla_force_host_platform_device_count={local})", file=sys.stderr)
   hostmem.configure(local)  # one CPU device here: keep XLA's freed temporaries (see hostmem.py)
+  use_compile_cache(cfg)
   return cfg, shape
+
+
+CACHE_OFF = "off"
+ENV_COMPILE_CACHE = "JAXPAR_COMPILE_CACHE"  # the default of train.compile_cache
+
+
+def compile_cache_dir(cfg: jconfig.Config, environ=None) -> str | None:
+  """The folder of the persistent compilation cache train.compile_cache asks for; None when off."""
+  environ = os.environ if environ is None else environ
+  value = cfg.train.compile_cache
+  if value == CACHE_OFF:
+    return None
+  if value:
+    return os.path.abspath(os.path.expanduser(value))
+  if environ.get("JAX_COMPILATION_CACHE_DIR"):  # a caller's (the test session's) own cache
+    return environ["JAX_COMPILATION_CACHE_DIR"]
+  if environ.get(ENV_COMPILE_CACHE):  # a site-wide default, e.g. a shared filesystem's folder
+    value = environ[ENV_COMPILE_CACHE]
+    return None if value == CACHE_OFF else os.path.abspath(os.path.expanduser(value))
+  base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "jaxpar", "xla")
+
+
+def use_compile_cache(cfg: jconfig.Config) -> str | None:
+  """Turns JAX's persistent compilation cache on in the folder of train.compile_cache (or off);
+  returns the folder. Must run before the first compile, and is what train.py and plan.py share,
+  so `plan.py --mesh X` then `train.py --mesh X` compiles the step once.
+
+  A hit is always the same executable: JAX's cache key hashes the program (its shardings and
+  device count included), the jaxlib version, the backend's platform and version, the XLA flags
+  (the simulated device count among them), the compile options with the device assignment and
+  the devices' topology. A cache written by another version or for another topology is never
+  read, only missed; so nothing needs clearing when either changes.
+  """
+  path = compile_cache_dir(cfg)
+  # Imported here: launch_local.py imports this module and must not wait for JAX to load.
+  import jax
+  if path is None:
+    jax.config.update("jax_enable_compilation_cache", False)
+    return None
+  if not os.path.isdir(path):
+    try:
+      os.makedirs(path, exist_ok=True)
+    except OSError as e:
+      raise ConfigError(f"train.compile_cache={path} cannot be made ({e.strerror}); name a "
+                        f"writable folder or 'off'") from None
+  jax.config.update("jax_enable_compilation_cache", True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  # JAX keeps only programs that took at least 1 s to compile; the init and the small helper
+  # programs of a run take less each but add up on a restart, so every one is kept unless the
+  # environment says otherwise.
+  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  return path
 
 
 def check_outputs(*outputs: tuple[str, str | None, str]) -> None:

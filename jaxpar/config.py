@@ -76,6 +76,11 @@ class TrainConfig:
   eval_every: int = 0  # evaluate on data.eval_split every N steps (0 = never)
   eval_steps: int = 10  # batches per evaluation (0 = the whole split)
   skip_nonfinite: bool = False  # a step with a non-finite loss or gradient leaves the state as it was
+  # Compiled programs kept on disk, so a restart or a second run of the same layout loads its step
+  # instead of compiling it: "" = $JAX_COMPILATION_CACHE_DIR if set, else $JAXPAR_COMPILE_CACHE
+  # (a folder or off), else $XDG_CACHE_HOME/jaxpar/xla (~/.cache/jaxpar/xla); "off" = no cache;
+  # else the folder to use.
+  compile_cache: str = ""
 
 
 @dataclass(frozen=True)

@@ -260,9 +260,8 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
   else:
     state, start = trainer.init(cfg.train.seed), 0
 
-  t0 = time.perf_counter()
-  compiled = trainer.lower(batch_abstract).compile()
-  compile_s = time.perf_counter() - t0
+  with jmetrics.compile_watch() as compile_info:
+    compiled = trainer.lower(batch_abstract).compile()
   peak, peak_source = jmetrics.peak_flops_per_device()
   n_dev = trainer.mesh.size
   # 0 for models that are not sequence models: they report examples/s only
@@ -272,6 +271,7 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
   logger = jmetrics.MetricsLogger(workdir if is_main else None, metrics_file if is_main else None,
                                   total, is_main=is_main, progress=progress and is_main)
   losses: dict[int, float] = {}
+  logged: list[int] = []  # steps whose metrics were written
   pending: list[tuple[int, dict]] = []  # device metrics not yet fetched
   interval_t, interval_steps = time.perf_counter(), 0
   timed_s, timed_steps = 0.0, 0
@@ -322,8 +322,10 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
            "examples_per_sec": cfg.train.batch_size / step_time}
     if tokens_per_step:
       row["tokens_per_sec"] = tokens_per_step / step_time
+    # The first row says how the step was compiled (a cache hit or miss, and how long it took).
     logger.log(now_step, {**row, "mfu": flops_per_step / step_time / (peak * n_dev), **m,
-                          **(extra or {})})
+                          **(extra or {}), **(compile_info if not logged else {})})
+    logged.append(now_step)
     pending.clear()
     interval_t, interval_steps = time.perf_counter(), 0
 
@@ -403,7 +405,7 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
              # the one definition plan.py reports too (hlo.memory)
              "peak_memory_bytes": hlo.memory(compiled)["peak_bytes"],
              **({"allocator_peak_bytes": measured} if measured is not None else {}),
-             "compile_s": compile_s, "devices": n_dev,
+             **compile_info, "devices": n_dev,
              "first_loss": losses[min(losses)] if losses else None,
              "last_loss": losses[max(losses)] if losses else None,
              "interrupted": bool(stopped), "skipped_steps": skipped[0],

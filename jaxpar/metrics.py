@@ -118,6 +118,35 @@ def device_peak_memory_bytes() -> int | None:
   return max(peaks) if peaks else None
 
 
+_CACHE_ASKED = "/jax/compilation_cache/compile_requests_use_cache"
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+
+@contextlib.contextmanager
+def compile_watch():
+  """Times the compiles in the block and says whether they came from the persistent cache.
+
+  Yields a dict that holds, after the block, `compile_s` (wall seconds) and `compile_cache`:
+  "hit" when every program compiled in the block was loaded from the cache, "miss" when any was
+  compiled, "off" when no cache was looked up (JAX looks only with a cache folder set).
+  """
+  asked, hits = [0], [0]
+
+  def listen(event: str, **kwargs) -> None:
+    asked[0] += event == _CACHE_ASKED
+    hits[0] += event == _CACHE_HIT
+
+  out: dict[str, Any] = {}
+  jax.monitoring.register_event_listener(listen)
+  t0 = time.perf_counter()
+  try:
+    yield out
+  finally:
+    out["compile_s"] = time.perf_counter() - t0
+    jax.monitoring.unregister_event_listener(listen)
+    out["compile_cache"] = "off" if not asked[0] else "hit" if hits[0] == asked[0] else "miss"
+
+
 def _plain(value: Any) -> Any:
   """JSON-ready copy: numpy/jax scalars become int/float/bool, non-finite floats become None."""
   if value is None or isinstance(value, str):

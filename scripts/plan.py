@@ -146,6 +146,7 @@ def main(argv=None) -> int:
   try:
     _check_search_args(args)
     cfg = config.load(args.config, args.overrides)
+    cli.use_compile_cache(cfg)  # the cache train.py reads: a planned step is not compiled twice
     if args.auto or args.analytic:
       return _search(args, cfg)
     shape = mesh.parse(args.mesh)

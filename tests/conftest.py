@@ -35,3 +35,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the controller (or a run wi
   atexit.register(shutil.rmtree, _cache, ignore_errors=True)
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+# A subprocess whose test drops the variables above to compile for real gets no cache at all,
+# not the user's own (~/.cache/jaxpar/xla, the scripts' default), which another session filled.
+os.environ.setdefault("JAXPAR_COMPILE_CACHE", "off")
