@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 
 from jaxpar import checkpoint, config, loop
+from jaxpar import mesh as jmesh
+from jaxpar.step import Trainer
 from conftest import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -134,32 +136,62 @@ def test_restart_continues_the_straight_run(tmp_path, straight):
   assert second.summary["steps"] == 12 and second.summary["steps_this_run"] == 6
 
 
+def restored(workdir, mesh, *overrides, step=4):
+  """The state of checkpoint `step` in `workdir` as a resume on `mesh` with `overrides` reads it
+  (the devices of conftest, as many as `mesh` needs)."""
+  cfg = config.load(None, TINY + list(overrides))
+  devices = jax.devices()[:int(np.prod(mesh))]
+  trainer = Trainer(cfg, jmesh.make(mesh, devices), loop.build_model(cfg))
+  with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), keep=1, every=0) as ckpt:
+    return trainer.restore(ckpt, step)[0]
+
+
+def assert_same_state(got, want, layout):
+  """Every leaf of `got` equal to `want`'s, bit for bit: a restore only moves the shards."""
+  got = dict(jax.tree_util.tree_leaves_with_path(got))
+  want = dict(jax.tree_util.tree_leaves_with_path(want))
+  assert sorted(map(str, got)) == sorted(map(str, want)), layout
+  for path, leaf in want.items():
+    np.testing.assert_array_equal(np.asarray(got[path]), np.asarray(leaf),
+                                  err_msg=f"{layout}: {jax.tree_util.keystr(path)}")
+
+
 def test_resume_on_another_mesh_and_zero_stage(tmp_path, straight):
+  """Three steps after the resume: the first step's loss reads only the parameters (and the data
+  position), the two after it also the optimizer state its update used."""
   saved = tmp_path / "saved"
-  run(saved, "parallel.zero_stage=3", mesh=(2, 4, 1), steps=4)
+  state = run(saved, "parallel.zero_stage=3", mesh=(2, 4, 1), steps=4)[0].state
   assert latest_step(saved)[0] == 4
-  # Each resume writes step 5 into its workdir, so each gets its own copy of the checkpoint.
+  moments = [x for x in jax.tree_util.tree_leaves(state["opt"]) if x.ndim > 0]
+  assert moments and all(np.any(np.asarray(x) != 0) for x in moments)  # nothing to miss as zero
+  # the state each layout below resumes from, read as its resume reads it
+  for mesh, overrides in (((8, 1, 1), ["parallel.zero_stage=1"]),
+                          ((1, 1, 1), ["parallel.zero_stage=0"]),
+                          ((1, 1, 2), ["parallel.schedule=1f1b"])):
+    assert_same_state(restored(saved, mesh, *overrides), state, (mesh, overrides))
+  resumed = [5, 6, 7]
+  # Each resume writes its steps into its workdir, so each gets its own copy of the checkpoint.
   on8, on1, on2 = tmp_path / "on8", tmp_path / "on1", tmp_path / "on2"
   for d in (on8, on1, on2):
     shutil.copytree(saved, d)
 
-  result, log = run(on8, "parallel.zero_stage=1", mesh=(8, 1, 1), steps=5)
+  result, log = run(on8, "parallel.zero_stage=1", mesh=(8, 1, 1), steps=7)
   assert "resuming from the checkpoint at step 4" in log
-  assert sorted(result.losses) == [5]
-  assert close(result.losses[5], straight[5], 1e-5), (result.losses[5], straight[5])
+  got = result.losses
 
-  r = train(on1, tmp_path / "on1.jsonl", 5, "parallel.zero_stage=0")
+  r = train(on1, tmp_path / "on1.jsonl", 7, "parallel.zero_stage=0")
   assert "resuming from the checkpoint at step 4" in r.stdout
-  got = losses(tmp_path / "on1.jsonl")
-  assert sorted(got) == [5]
-  assert close(got[5], straight[5], 1e-5), (got[5], straight[5])
+  got1 = losses(tmp_path / "on1.jsonl")
 
   # two pipeline stages (1F1B): each stage restores its block of the layer stack
-  r = train(on2, tmp_path / "on2.jsonl", 5, "parallel.schedule=1f1b", mesh="1x1x2")
+  r = train(on2, tmp_path / "on2.jsonl", 7, "parallel.schedule=1f1b", mesh="1x1x2")
   assert "resuming from the checkpoint at step 4" in r.stdout
-  got = losses(tmp_path / "on2.jsonl")
-  assert sorted(got) == [5]
-  assert close(got[5], straight[5], 1e-5), (got[5], straight[5])
+  got2 = losses(tmp_path / "on2.jsonl")
+
+  for layout, found in (("8x1x1 zero1", got), ("1x1x1 zero0", got1), ("1x1x2 1f1b", got2)):
+    assert sorted(found) == resumed, (layout, found)
+    for s in resumed:
+      assert close(found[s], straight[s], 1e-5), (layout, s, found[s], straight[s])
 
 
 def test_sigterm_checkpoints_the_current_step_and_exits_0(tmp_path):
