@@ -20,6 +20,7 @@ import re
 import time
 from typing import Any
 
+from jaxpar import hlo
 from jaxpar.config import ConfigError
 
 _COLLECTIVE = re.compile(r"^(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all|"
@@ -128,16 +129,9 @@ def _union(spans: list[tuple[int, int]]) -> int:
   return total
 
 
-def split_from_trace(directory: str, steps: int) -> dict | None:
-  """{'compute_s', 'collective_s', 'devices', 'file'}: per device per step, averaged over devices,
-  from the newest .xplane.pb under `directory`; None when it holds no XLA op events."""
+def _op_events(path: str):
+  """(device, HLO op name, module, (start_ns, end_ns)) of every XLA op event in one .xplane.pb."""
   import jax
-  files = glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
-  if not files:
-    return None
-  path = max(files, key=os.path.getmtime)
-  busy: dict[Any, list] = {}
-  coll: dict[Any, list] = {}
   for plane in jax.profiler.ProfileData.from_file(path).planes:
     on_device = plane.name.startswith("/device:")
     for line in plane.lines:
@@ -150,10 +144,27 @@ def split_from_trace(directory: str, steps: int) -> dict | None:
           continue
         # XLA:CPU tags each op with its device; a GPU plane is one device.
         device = (plane.name, stats.get("device_ordinal"))
-        span = (int(ev.start_ns), int(ev.start_ns + ev.duration_ns))
-        busy.setdefault(device, []).append(span)
-        if _COLLECTIVE.search(str(op)):
-          coll.setdefault(device, []).append(span)
+        yield (device, str(op), stats.get("hlo_module"),
+               (int(ev.start_ns), int(ev.start_ns + ev.duration_ns)))
+
+
+def _newest_trace(directory: str) -> str | None:
+  files = glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
+  return max(files, key=os.path.getmtime) if files else None
+
+
+def split_from_trace(directory: str, steps: int) -> dict | None:
+  """{'compute_s', 'collective_s', 'devices', 'file'}: per device per step, averaged over devices,
+  from the newest .xplane.pb under `directory`; None when it holds no XLA op events."""
+  path = _newest_trace(directory)
+  if path is None:
+    return None
+  busy: dict[Any, list] = {}
+  coll: dict[Any, list] = {}
+  for device, op, _, span in _op_events(path):
+    busy.setdefault(device, []).append(span)
+    if _COLLECTIVE.search(op):
+      coll.setdefault(device, []).append(span)
   if not busy:
     return None
   n = len(busy)
@@ -163,11 +174,93 @@ def split_from_trace(directory: str, steps: int) -> dict | None:
           "file": path}
 
 
+# What a step's time goes to, by HLO instruction: cuDNN's fused attention kernels; matrix
+# products (dots, convolutions, cuBLAS/Triton GEMMs, fusions around a dot); the optimizer (every
+# op outside the loss's forward `jvp(...)` and backward `transpose(jvp(...))`: the update, the
+# clipping norm, offload's copies); everything else of the forward and backward (norms,
+# softmax and masking of XLA's attention, elementwise work, the loss).
+CATEGORIES = ("matmul", "attention", "optimizer", "other")
+_CONTROL = {"while", "call", "conditional", "tuple", "get-tuple-element", "parameter", "bitcast",
+            "constant", "async-start", "async-done", "async-update"}
+_ATTENTION_TARGET = re.compile(r"fmha|flash|attention", re.IGNORECASE)
+_MATMUL_TARGET = re.compile(r"gemm|cublas|matmul|\$dot|triton", re.IGNORECASE)
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+
+
+def op_categories(hlo_text: str) -> dict[str, str | None]:
+  """{HLO instruction name: one of CATEGORIES} for the instructions of an optimized program; None
+  for loops, calls and tuples, whose spans cover their bodies' ops (which are named instead)."""
+  comps, _ = hlo._module(hlo_text)
+  has_dot: dict[str, bool] = {}
+
+  def dot_inside(name: str, depth: int = 0) -> bool:
+    if name not in has_dot:
+      has_dot[name] = False  # a cycle (none in valid HLO) reads as no dot
+      comp = comps.get(name)
+      found = False
+      for ins in (comp.instrs.values() if comp else ()):
+        if ins.opcode in ("dot", "convolution"):
+          found = True
+        elif depth < 8:
+          found = any(dot_inside(c, depth + 1) for c in _CALLS.findall(ins.raw))
+        if found:
+          break
+      has_dot[name] = found
+    return has_dot[name]
+
+  out: dict[str, str] = {}
+  for comp in comps.values():
+    for ins in comp.instrs.values():
+      if ins.opcode in _CONTROL:
+        out[ins.name] = None
+        continue
+      target = _TARGET.search(ins.raw)
+      target = target.group(1) if target else ""
+      if target and _ATTENTION_TARGET.search(target):
+        out[ins.name] = "attention"
+      elif (ins.opcode in ("dot", "convolution") or (target and _MATMUL_TARGET.search(target))
+            or any(dot_inside(c) for c in _CALLS.findall(ins.raw))):
+        out[ins.name] = "matmul"
+      else:
+        m = _OP_NAME.search(ins.raw)
+        in_loss = m is not None and ("jvp(" in m.group(1) or "transpose(" in m.group(1))
+        out[ins.name] = "other" if in_loss or m is None else "optimizer"
+  return out
+
+
+def category_split(directory: str, steps: int, categories: dict[str, str | None],
+                   module: str | None = None) -> dict | None:
+  """Seconds per step of each of CATEGORIES (time covered by its ops, per device, averaged over
+  devices) and `busy_s` (covered by any op), from the newest trace under `directory`; ops of other
+  programs than `module` (the step's HLO module name) are left out. None without op events."""
+  path = _newest_trace(directory)
+  if path is None:
+    return None
+  spans: dict[Any, dict[str, list]] = {}
+  for device, op, mod, span in _op_events(path):
+    if module is not None and mod is not None and mod != module:
+      continue
+    per = spans.setdefault(device, {})
+    per.setdefault("busy", []).append(span)
+    category = categories.get(op, "other")
+    if category is not None:
+      per.setdefault(category, []).append(span)
+  if not spans:
+    return None
+  n = len(spans)
+  out = {k + "_s": sum(_union(p.get(k, [])) for p in spans.values()) / n / steps * 1e-9
+         for k in CATEGORIES + ("busy",)}
+  out.update(devices=n, file=path)
+  return out
+
+
 def estimate_from_hlo(compiled: Any, trainer: Any, step_s: float) -> dict:
   """{'compute_s', 'collective_s'}: the measured step split in the ratio the compiled program
   predicts (FLOPs / peak against collective link bytes / link bandwidth)."""
   import jax
-  from jaxpar import autoplan, hlo
+  from jaxpar import autoplan
   mesh = trainer.mesh
   kind = next((k for k in autoplan.DEVICE_KINDS if k in jax.devices()[0].device_kind.lower()),
               "cpu")

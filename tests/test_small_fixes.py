@@ -33,7 +33,7 @@ def test_benchmark_default_output_is_git_ignored(path):
   assert r.returncode == 0, f"{path.name} writes {rel} by default, which git does not ignore"
 
 
-GPU_ONLY = {"gpu_mfu"}  # needs a GPU: no reference figures until one has run it
+GPU_ONLY = {"gpu_mfu", "gpu_check"}  # need a GPU: no reference figures until one has run them
 
 
 def test_benchmark_reference_results_are_committed():

@@ -1,0 +1,128 @@
+"""benchmarks/gpu_check.py, the one-call GPU check, kept runnable on CPU (`--small`).
+
+The GPU machine lacks tensorflow-datasets, grain, array_record and tensorboardX: the check runs
+here with those imports made to fail, so a dependency on them cannot creep in unnoticed.
+"""
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+
+BLOCKER = """
+import importlib.abc, sys
+ABSENT = {"tensorflow_datasets", "grain", "array_record", "tensorboardX"}
+class _Absent(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path=None, target=None):
+    if name.split(".")[0] in ABSENT:
+      raise ImportError(f"{name} is not installed on the GPU machine")
+    return None
+sys.meta_path.insert(0, _Absent())
+"""
+
+
+def load():
+  spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def run(args, tmp_path, block=True):
+  env = dict(os.environ)
+  if block:
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(BLOCKER)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT), env.get("PYTHONPATH", "")])
+  return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
+
+
+def test_the_blocker_blocks(tmp_path):
+  # Otherwise the test below would prove nothing.
+  site = tmp_path / "site"
+  site.mkdir()
+  (site / "sitecustomize.py").write_text(BLOCKER)
+  r = subprocess.run([sys.executable, "-c", "import tensorflow_datasets"], capture_output=True,
+                     text=True, env={**os.environ, "PYTHONPATH": str(site)})
+  assert r.returncode != 0 and "not installed on the GPU machine" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def small_report(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("gpu_check")
+  out = tmp / "out"
+  r = run(["--small", "--out", str(out), "--only", "gpt,gpt_offload,largest_offload"], tmp)
+  assert r.returncode == 0, r.stdout + r.stderr
+  return json.loads((out / "gpu_check.json").read_text()), (out / "profile_summary.txt").read_text()
+
+
+def test_small_check_measures_without_the_modules_the_gpu_machine_lacks(small_report):
+  report, summary = small_report
+  phases = report["phases"]
+  assert set(phases) == {"gpt", "gpt_offload", "largest_offload"}
+  for name in ("gpt", "gpt_offload"):
+    r = phases[name]
+    assert r["imported_absent_modules"] == []
+    assert r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1
+    assert r["loss"]["last"] < r["loss"]["first"]  # it trained
+  # The step split comes from the profiler window: matmuls are found, and no category covers
+  # more than the ops did, nor the ops more than the step.
+  split = phases["gpt"]["split"]
+  assert split["matmul_s"] > 0 and split["other_s"] > 0
+  parts = sum(split[k + "_s"] for k in ("matmul", "attention", "optimizer", "other"))
+  assert split["busy_s"] <= split["step_s"] * 1.05
+  assert parts <= split["busy_s"] * 1.001 + 1e-6
+  assert "matmul" in summary and "optimizer" in summary
+  s = report["summary"]
+  assert set(s["offload"]) >= {"device_peak_bytes", "host_bytes_on", "step_time_cost"}
+  # --small's stand-in device has 4 MiB: the search lands close under it, not just anywhere
+  # that fits (the first two compiled depths, 1 and 2 layers, take about 2 MiB).
+  largest = s["largest_offload"]
+  assert largest["ok"] and largest["n_layers"] > 2
+  assert 0.7 * 4 * 2**20 < largest["predicted_peak_bytes"] <= 0.95 * 4 * 2**20
+
+
+def test_the_predicted_peak_is_plan_pys(small_report):
+  from jaxpar import config as jconfig
+  from jaxpar import plan
+  report, _ = small_report
+  r = report["phases"]["gpt"]
+  cfg = jconfig.load(None, [f"{k}={v}" for k, v in r["config"].items()] + [
+      "precision.compute_dtype=bfloat16", "precision.param_dtype=float32",
+      "train.warmup_steps=1", "data.source=synthetic"])
+  assert plan.plan(cfg, "1x1x1")["compiled"]["peak_bytes"] == r["memory"]["predicted_peak_bytes"]
+
+
+def test_a_wrong_stack_is_one_line_before_anything_runs(tmp_path, monkeypatch, capsys):
+  mod = load()
+  monkeypatch.setitem(mod.NEEDS, "flax", "99.0")
+  assert mod.main(["--small", "--out", str(tmp_path / "o")]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("error: gpu_check needs flax >= 99.0, found ") and "\n" not in err
+  assert not (tmp_path / "o").exists()
+
+
+def test_a_gpu_run_without_the_cuda_plugin_is_one_line(tmp_path):
+  import importlib.metadata as md
+  if any("cuda" in (d.metadata["Name"] or "") and "plugin" in (d.metadata["Name"] or "")
+         for d in md.distributions()):
+    pytest.skip("a CUDA plugin is installed here")
+  r = run(["--out", str(tmp_path / "o")], tmp_path, block=False)
+  assert r.returncode == 2
+  assert r.stderr.strip().count("\n") == 0 and "CUDA plugin" in r.stderr
+  assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("args, says", [(["--only", "nope"], "unknown phases nope"),
+                                        (["--budget-s", "nan"], "--budget-s must be")])
+def test_bad_arguments_are_one_line(tmp_path, args, says):
+  r = run(["--small", "--out", str(tmp_path / "o"), *args], tmp_path, block=False)
+  assert r.returncode == 2 and says in r.stderr and r.stderr.strip().count("\n") == 0
