@@ -5,10 +5,11 @@ and the state's shardings; only the loss comparisons run steps. The model is one
 parameters dominate: 8 layers, d_model 256, d_ff 1024, one 32-token sequence per device.
 
 Measured here (bytes per device): ZeRO-3 temp 42,839,912 when the backward kept every gathered
-layer, 10,915,272 with re-gathering (arguments 9,683,856 either way). Offload at stage 1: device
-bytes 83,926,648 -> 61,693,312, at stage 3: 20,599,128 -> 14,407,584, a saving of 95.9% of the
-optimizer state (6,455,816); one layer of the largest stacked leaf's moments (262,144) is on the
-device at a time. Moving whole leaves instead saved 67.5%: the stacked w1's moments were a third
+layer, 10,915,272 with re-gathering (arguments 9,683,856 either way). Offload, derived from the
+shardings' memory kinds, not measured (XLA:CPU counts pinned_host arguments with the others): device
+bytes at stage 1 83,926,648 -> 61,693,312, at stage 3 20,599,128 -> 14,407,584, a saving of 95.9%
+of the optimizer state (6,455,816); one layer of the largest stacked leaf's moments (262,144) is on
+the device at a time. Moving whole leaves instead saved 67.5%: the stacked w1's moments were a third
 of the state.
 """
 import functools
@@ -262,6 +263,14 @@ def test_offload_takes_the_optimizer_state_off_the_device(stage):
   # counts' copies (2,112 bytes at stage 3)
   slack = 4096
   assert off_mem["temp_bytes"] <= plain_mem["temp_bytes"] + slack, (off_mem, plain_mem)
+  # The device bytes saved are not measured here. XLA:CPU counts an argument in pinned_host among
+  # its argument bytes and reports no host bytes (DESIGN.md, toolchain facts), so both programs'
+  # arguments are the same bytes, and `plain - off` is the state's pinned_host shards (read from
+  # the shardings' memory kinds) less the staged moments and the temporaries' difference: the two
+  # checks above, restated as the issue's bar. That the state leaves the device's memory can only
+  # be measured where memory_analysis() reports host bytes (GPU).
+  if jax.default_backend() == "cpu":
+    assert off_mem["argument_bytes"] == plain_mem["argument_bytes"], (off_mem, plain_mem)
   assert plain - off >= opt - largest - 64 - slack, (plain, off, opt, largest)
   assert plain - off >= 0.8 * opt, (plain, off, opt)  # the issue's bar: >= 80% of the state
 
