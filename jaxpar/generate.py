@@ -3,8 +3,22 @@
 Tokens are those of training: bytes, or the ids of the run's `tokenizers` file. A prompt is the
 start of a document, so it is preceded by the end-of-text token that ends every document in the
 training stream; a sampled end-of-text ends the text.
-Each new token recomputes the forward over a window of the last `seq_len` tokens (no KV cache);
-all new tokens come from one jitted `lax.fori_loop`, compiled once per prompt length and count.
+Decoding is incremental by default: the prompts are encoded in one pass that fills a key/value
+cache (models/kvcache.py), then each new token runs the stack once, for that token only, inside
+one jitted `lax.while_loop` over a fixed-size cache, so nothing recompiles per token. The same
+loop with `cache=False` recomputes the model over the whole window for every token: the
+reference the cached path is tested against, token for token.
+
+The window rule, the same on both paths: the model sees at most `model.seq_len` tokens of a row,
+at positions 0..seq_len-1 as in training. A row whose next token would not fit continues from
+its last `seq_len // 2` tokens, re-encoded at positions 0..seq_len//2-1 (one prefill), and grows
+again from there; a prompt longer than seq_len starts that way. So past seq_len each token sees
+between seq_len/2 and seq_len tokens of context, and the cached path re-encodes half a window
+once per seq_len/2 tokens instead of a whole window per token.
+
+Rows are independent: prompts of different lengths run as one batch (each row at its own
+positions, no left padding) and give what each would alone; sampled rows draw from keys folded
+from the seed, the step and the row's index.
 """
 from __future__ import annotations
 
@@ -22,7 +36,8 @@ from jaxpar import mesh as jmesh
 from jaxpar import model as jmodel
 from jaxpar.config import ConfigError
 from jaxpar.data import SEPARATOR, VOCAB_SIZE, tokenize
-from jaxpar.models import decoder
+from jaxpar.models import decoder, gpt, kvcache, llama
+from jaxpar.step import Trainer
 
 
 def _overridden(cfg: jconfig.Config, overrides) -> jconfig.Config:
@@ -74,94 +89,300 @@ class Codec:
     return self.tokenizer.decode([int(t) for t in tokens])
 
 
-def pick(logits: jax.Array, key: jax.Array, temperature: float, top_k: int) -> jax.Array:
-  """Next tokens from last-position logits (B, V) float32 -> (B,) int32; temperature 0 = greedy."""
-  if temperature == 0:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  if 0 < top_k < logits.shape[-1]:
-    kth = jax.lax.top_k(logits, top_k)[0][:, -1:]  # (B, 1): the k-th largest logit per row
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
-  return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+def window_keep(seq_len: int) -> int:
+  """The tokens a full window restarts from (the module's window rule)."""
+  return max(1, seq_len // 2)
+
+
+def _restrict(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+  """Logits z (B, V) with everything outside the top-k, then outside the top-p nucleus, at -inf.
+
+  top_k 0 = all; top_p 1 = all: the nucleus is the fewest likeliest tokens whose probabilities
+  (after temperature and top-k) sum to at least top_p. A token tied with the last one kept is
+  kept too.
+  """
+  V = z.shape[-1]
+  desc = -jnp.sort(-z, axis=-1)  # (B, V), largest first
+  k = jnp.where((top_k > 0) & (top_k < V), top_k, V)
+  ranks = jnp.arange(V)[None, :]
+  desc = jnp.where(ranks < k, desc, -jnp.inf)
+  probs = jax.nn.softmax(desc, axis=-1)
+  above = jnp.cumsum(probs, axis=-1) - probs  # the mass of the tokens ranked before each
+  # (B, V), a prefix of each row; top_p 1 keeps all k even where the sum rounds past 1
+  kept = ((ranks == 0) | (above < top_p) | (top_p >= 1)) & (ranks < k)
+  floor = jnp.take_along_axis(desc, jnp.sum(kept, -1, keepdims=True) - 1, axis=-1)  # (B, 1)
+  return jnp.where(z < floor, -jnp.inf, z)
+
+
+def pick(logits: jax.Array, key: jax.Array, temperature=1.0, top_k=0, top_p=1.0) -> jax.Array:
+  """Next tokens from last-position logits (B, V) float32 -> (B,) int32.
+
+  temperature 0 = greedy; else a draw from softmax(logits / temperature) restricted to the top-k
+  and the top-p nucleus. Row b draws with fold_in(key, b), so a row's draw does not depend on
+  how many rows run with it. The options may be traced values: one compiled loop serves all.
+  """
+  temperature, top_k, top_p = (jnp.asarray(temperature, jnp.float32),
+                               jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32))
+  V = logits.shape[-1]
+
+  def draw(logits):
+    z = logits / jnp.maximum(temperature, jnp.finfo(jnp.float32).tiny)
+    narrow = ((top_k > 0) & (top_k < V)) | (top_p < 1)
+    z = jax.lax.cond(narrow, lambda z: _restrict(z, top_k, top_p), lambda z: z, z)
+    keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(z.shape[0]))
+    return jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, z).astype(jnp.int32)
+  greedy = lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return jax.lax.cond(temperature == 0, greedy, draw, logits)
+
+
+def _cached_parts(mc) -> kvcache.CachedParts:
+  return {"gpt": gpt, "llama": llama}[mc.kind].cached_parts(mc)
+
+
+def _rows(x: jax.Array, start: jax.Array, width: int) -> jax.Array:
+  """Per-row slices: x (B, N), start (B,) -> (B, width), row b from start[b]."""
+  return jax.vmap(lambda r, s: jax.lax.dynamic_slice_in_dim(r, s, width))(x, start)
+
+
+def decode_fn(cfg: jconfig.Config, n_prompt: int, n_new: int, batch: int, cache: bool = True):
+  """The sampling loop for one shape, not yet jitted: (params, prompts (B, n_prompt) int32, each
+  row's tokens first and padding after, lengths (B,) int32 >= 1, key, temperature, top_k, top_p,
+  stop) -> new tokens (B, n_new) int32. A row that samples `stop` (-1: none) stops there, and the
+  rest of its row is `stop`; the loop ends when every row has stopped.
+  `cache` False recomputes the whole window per token (the reference)."""
+  mc = cfg.model
+  T, keep = mc.seq_len, window_keep(mc.seq_len)
+  dtype = precision.compute_dtype(cfg.precision)
+  full_parts, parts = jmodel.decoder_parts(mc), _cached_parts(mc)
+  L, _, _, _, G, K = decoder.sizes(mc)
+  B, N = batch, n_prompt + n_new + T  # the token buffer: room for any window's T tokens
+
+  def recompute(params, tokens, origin, ahead):
+    """Logits (B, V) of the token at index `ahead` from the window origin..ahead-1 of each row."""
+    logits = decoder.forward(full_parts, params, _rows(tokens, origin, T), dtype)  # (B, T, V)
+    # Causal attention: the window's tokens from `ahead` on do not change these logits.
+    return jnp.take_along_axis(logits, (ahead - 1 - origin)[:, None, None], axis=1)[:, 0]
+
+  def encode(params, kv, tokens, origin, ahead, width):
+    """Re-encodes origin..ahead-1 of each row at slots 0.. (ahead - origin <= width) ->
+    (logits of the token at `ahead` (B, V), the cache)."""
+    x, kv = kvcache.extend(parts, params, kv, _rows(tokens, origin, width),
+                           jnp.zeros((B,), jnp.int32), dtype)
+    return kvcache.logits_at(parts, params, x, ahead - 1 - origin), kv
+
+  def advance(params, tokens, kv, origin, ahead, full, token):
+    """Logits of the token at `ahead` once `token` (at ahead - 1) is in (B,), and the cache."""
+    if not cache:
+      return recompute(params, tokens, origin, ahead), kv
+    # Rows whose window just moved (`full`) have slot ahead-1-origin = keep-1 here: the step
+    # writes a stale slot of theirs, and the re-encoding below replaces their whole cache.
+    x, stepped = kvcache.extend(parts, params, kv, token[:, None], ahead - 1 - origin, dtype)
+    logits = kvcache.logits_at(parts, params, x, jnp.zeros((B,), jnp.int32))
+
+    def refill(_):
+      new_logits, new = encode(params, stepped, tokens, origin, ahead, keep)
+      take = lambda a, b: jnp.where(full.reshape((1, B) + (1,) * (a.ndim - 2)), a, b)
+      return (jnp.where(full[:, None], new_logits, logits),
+              {name: take(new[name], stepped[name]) for name in stepped})
+    return jax.lax.cond(jnp.any(full), refill, lambda _: (logits, stepped), None)
+
+  def run(params, prompts, lengths, key, temperature, top_k, top_p, stop):
+    tokens = jnp.zeros((B, N), jnp.int32).at[:, :n_prompt].set(prompts)
+    origin = jnp.where(lengths > T, lengths - keep, 0)  # a long prompt starts a moved window
+    if cache:
+      kv = kvcache.empty(L, B, T, G, K, dtype)
+      logits, kv = encode(params, kv, tokens, origin, lengths, min(n_prompt, T))
+    else:
+      logits, kv = recompute(params, tokens, origin, lengths), None
+
+    def body(state):
+      i, tokens, kv, origin, logits, done = state
+      token = pick(logits, jax.random.fold_in(key, i), temperature, top_k, top_p)
+      token = jnp.where(done, stop, token)
+      tokens = tokens.at[jnp.arange(B), lengths + i].set(token)
+      done = done | (token == stop)
+      ahead = lengths + i + 1  # the index of the token the next iteration picks
+      full = ahead - origin > T
+      origin = jnp.where(full, ahead - keep, origin)
+      logits, kv = advance(params, tokens, kv, origin, ahead, full, token)
+      return i + 1, tokens, kv, origin, logits, done
+
+    state = (jnp.int32(0), tokens, kv, origin, logits, jnp.zeros((B,), bool))
+    state = jax.lax.while_loop(lambda s: (s[0] < n_new) & ~jnp.all(s[-1]), body, state)
+    steps, tokens = state[0], state[1]
+    new = _rows(tokens, lengths, n_new)
+    return jnp.where(jnp.arange(n_new)[None, :] < steps, new, stop)  # an early end: all stopped
+  return run
 
 
 class Sampler:
-  """A checkpoint's parameters on a mesh (restored sharded, as the config lays them out)."""
+  """A decoder's parameters on a mesh, and sampling from them."""
 
   def __init__(self, workdir: str, mesh_shape: tuple[int, int, int] = (1, 1, 1),
                step: int | None = None, overrides=()):
+    """Restores a checkpoint's parameters sharded, as the config stored with it lays them out."""
     from jaxpar import loop
     directory, self.step = export.checkpoint_step(workdir, step)
     with checkpoint.readable(directory, self.step, export.STEP_REMEDY):
       stored = checkpoint.read_extra(directory, self.step).get("config")
     if stored is None:
       raise ConfigError(f"the checkpoint of step {self.step} in {directory} has no config")
-    self.cfg = _overridden(jconfig.from_dict(stored), overrides)
-    if self.cfg.model.kind not in jmesh.DECODERS:
-      raise ConfigError(f"model.kind={self.cfg.model.kind!r} does not generate text; only "
-                        f"{' and '.join(jmesh.DECODERS)} do")
-    self.trainer = loop.prepare(self.cfg, mesh_shape)
-    self.codec = Codec(self.cfg)
+    cfg = _overridden(jconfig.from_dict(stored), overrides)
+    _check_kind(cfg)
+    trainer = loop.prepare(cfg, mesh_shape)
     # The parameters alone, in the checkpoint's (model) order: the optimizer state is never read.
     with checkpoint.readable(directory, self.step, export.STEP_REMEDY):
-      self.params = checkpoint.restore_params(directory, self.step, self.trainer.model.abstract,
-                                              self.trainer.state_shardings["params"])
-    self.mesh = self.trainer.mesh
+      params = checkpoint.restore_params(directory, self.step, trainer.model.abstract,
+                                         trainer.state_shardings["params"])
+    self._setup(cfg, trainer, params)
+
+  @classmethod
+  def from_params(cls, cfg: jconfig.Config, mesh_shape: tuple[int, int, int] = (1, 1, 1),
+                  params=None, seed: int = 0) -> "Sampler":
+    """A sampler over given parameters (a tree like the model's, placed onto the mesh's
+    shardings here), or over freshly initialised ones (`seed`) when params is None. The mesh
+    takes the first devices it needs."""
+    _check_kind(cfg)
+    n = int(np.prod(mesh_shape))
+    jmesh.check(mesh_shape, cfg, min(n, len(jax.devices())))
+    trainer = Trainer(cfg, jmesh.make(mesh_shape, jax.devices()[:n]), jmodel.decoder(cfg))
+    if params is None:  # the model's own init (the trainer's would also build optimizer state)
+      with jax.set_mesh(trainer.mesh):
+        params = jax.jit(trainer.model.init, out_shardings=trainer.state_shardings["params"])(
+            jax.random.key(seed))
+    else:
+      params = jax.device_put(params, trainer.state_shardings["params"])
+    self = cls.__new__(cls)
+    self.step = None
+    self._setup(cfg, trainer, params)
+    return self
+
+  def _setup(self, cfg, trainer, params) -> None:
+    self.cfg, self.trainer, self.params = cfg, trainer, params
+    self.codec = Codec(cfg)
+    self.mesh = trainer.mesh
     self._compiled: dict = {}
 
-  def _fn(self, n_prompt: int, n_new: int, batch: int, temperature: float, top_k: int):
-    """The jitted sampler for one shape: (params, prompt (B, n_prompt), key) -> (B, n_new)."""
-    signature = (n_prompt, n_new, batch, temperature, top_k)
-    if signature in self._compiled:
-      return self._compiled[signature]
-    mc = self.cfg.model
-    parts = jmodel.decoder_parts(mc)
-    T, dtype = mc.seq_len, precision.compute_dtype(self.cfg.precision)
-    N = max(n_prompt + n_new, T)  # the token buffer; the window never runs past its end
+  def _fn(self, n_prompt: int, n_new: int, batch: int, cache: bool):
+    """The jitted decode_fn of one shape (sampling options are arguments, not constants)."""
+    signature = (n_prompt, n_new, batch, cache)
+    if signature not in self._compiled:
+      rows = NamedSharding(self.mesh, P(zero.DATA))
+      run = decode_fn(self.cfg, n_prompt, n_new, batch, cache)
+      self._compiled[signature] = jax.jit(
+          run, in_shardings=(self.trainer.state_shardings["params"], rows, rows) + (None,) * 5,
+          out_shardings=rows)
+    return self._compiled[signature]
 
-    def sample(params, prompt, key):
-      out = jnp.zeros((batch, N), jnp.int32).at[:, :n_prompt].set(prompt)
+  def window_note(self, longest_prompt: int, max_new_tokens: int) -> str | None:
+    """The sentence that says how the window rule applies to a request, if it does (else None)."""
+    T = self.cfg.model.seq_len
+    if longest_prompt + max_new_tokens <= T:
+      return None
+    keep = window_keep(T)
+    return (f"prompt ({longest_prompt} tokens) + --max-new-tokens {max_new_tokens} pass "
+            f"model.seq_len={T}: a row whose window is full continues from its last {keep} "
+            f"tokens, re-encoded at positions 0-{keep - 1}")
 
-      def body(i, out):
-        pos = n_prompt + i  # the position this iteration fills
-        start = jnp.clip(pos - T, 0, N - T)
-        window = jax.lax.dynamic_slice_in_dim(out, start, T, axis=1)  # (B, T)
-        # Causal attention: positions after pos - 1 (zeros still) do not change its logits.
-        logits = decoder.forward(parts, params, window, dtype)  # (B, T, V)
-        last = jax.lax.dynamic_index_in_dim(logits, pos - 1 - start, axis=1, keepdims=False)
-        token = pick(last, jax.random.fold_in(key, i), temperature, top_k)
-        return jax.lax.dynamic_update_slice_in_dim(out, token[:, None], pos, axis=1)
-      out = jax.lax.fori_loop(0, n_new, body, out)
-      return out[:, n_prompt:n_prompt + n_new]
-
-    rows = NamedSharding(self.mesh, P(zero.DATA))
-    fn = jax.jit(sample, in_shardings=(self.trainer.state_shardings["params"], rows, None),
-                 out_shardings=rows)
-    self._compiled[signature] = fn
-    return fn
-
-  def sample(self, prompt: bytes | str, max_new_tokens: int = 200, temperature: float = 1.0,
-             top_k: int = 0, seed: int = 0, num_samples: int = 1) -> np.ndarray:
-    """New tokens after `prompt`: [num_samples, max_new_tokens] int32 (separators included)."""
-    if max_new_tokens < 0:
-      raise ConfigError(f"--max-new-tokens={max_new_tokens} must not be negative")
-    if not temperature >= 0 or temperature == float("inf"):  # nan too
-      raise ConfigError(f"--temperature={temperature} must be a finite number, not negative "
-                        f"(0 = greedy)")
-    if not 0 <= top_k <= self.codec.vocab:
+  def _check(self, max_new_tokens, temperature, top_k, top_p, num_samples, stop_token) -> int:
+    """check_options, and the bounds set by the vocabulary; returns the stop token id (-1: none)."""
+    check_options(max_new_tokens, temperature, top_k, top_p, num_samples, stop_token)
+    if top_k > self.codec.vocab:
       raise ConfigError(f"--top-k={top_k} must be between 0 (off) and {self.codec.vocab}")
-    if num_samples < 1:
-      raise ConfigError(f"--num-samples={num_samples} must be positive")
-    tokens = self.codec.encode(prompt)
-    # Rows are split over `data`, so the batch is rounded up to a multiple of it.
-    d = self.mesh.shape[zero.DATA]
-    batch = -(-num_samples // d) * d
-    fn = self._fn(len(tokens), max_new_tokens, batch, float(temperature), int(top_k))
-    with jax.set_mesh(self.mesh):
-      out = fn(self.params, np.tile(tokens, (batch, 1)), jax.random.key(seed))
-    return np.asarray(out)[:num_samples]
+    if stop_token is None:
+      return int(self.codec.eos)
+    V = self.cfg.model.vocab_size
+    if stop_token >= V:
+      raise ConfigError(f"--stop-token={stop_token} must be a token id from 0 to {V - 1}, "
+                        f"or -1 for none")
+    return int(stop_token)
 
-  def generate(self, prompt: bytes | str, max_new_tokens: int = 200, temperature: float = 1.0,
-               top_k: int = 0, seed: int = 0, num_samples: int = 1) -> list[str]:
-    """Continuations of `prompt` as text, each cut at the first separator (end of document)."""
-    out = self.sample(prompt, max_new_tokens, temperature, top_k, seed, num_samples)
-    return [self.codec.decode(row) for row in out]
+  def sample_tokens(self, prompts, max_new_tokens: int = 200, temperature: float = 1.0,
+                    top_k: int = 0, top_p: float = 1.0, seed: int = 0, num_samples: int = 1,
+                    stop_token: int | None = None, cache: bool = True) -> np.ndarray:
+    """New tokens after each prompt, a list of (n_i,) token ids with n_i >= 1:
+    [len(prompts) * num_samples, max_new_tokens] int32, the samples of a prompt together.
+
+    stop_token: None = end-of-text; -1 = none. A row stops at its first stop token, which is
+    kept, and the rest of the row repeats it. cache False: the full-recompute reference.
+    """
+    stop = self._check(max_new_tokens, temperature, top_k, top_p, num_samples, stop_token)
+    prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+    if not prompts or min(len(p) for p in prompts) == 0:
+      raise ConfigError("every prompt needs at least one token")
+    V = self.cfg.model.vocab_size
+    for p in prompts:
+      if p.min() < 0 or p.max() >= V:
+        raise ConfigError(f"prompt token {int(p.min() if p.min() < 0 else p.max())} is not "
+                          f"in the model's vocabulary (0 to {V - 1})")
+    rows = [p for p in prompts for _ in range(num_samples)]
+    # Rows are split over `data`, so the batch is rounded up to a multiple of it (copies of the
+    # last row, which then stop when it does).
+    d = self.mesh.shape[zero.DATA]
+    batch = -(-len(rows) // d) * d
+    rows += [rows[-1]] * (batch - len(rows))
+    n_prompt = _bucket(max(len(p) for p in rows))
+    padded = np.zeros((batch, n_prompt), np.int32)
+    for i, p in enumerate(rows):
+      padded[i, :len(p)] = p
+    lengths = np.array([len(p) for p in rows], np.int32)
+    fn = self._fn(n_prompt, max_new_tokens, batch, bool(cache))
+    with jax.set_mesh(self.mesh):
+      out = fn(self.params, padded, lengths, jax.random.key(seed), np.float32(temperature),
+               np.int32(top_k), np.float32(top_p), np.int32(stop))
+    return np.asarray(out)[:len(prompts) * num_samples]
+
+  def sample(self, prompt, max_new_tokens: int = 200, temperature: float = 1.0, top_k: int = 0,
+             seed: int = 0, num_samples: int = 1, top_p: float = 1.0,
+             stop_token: int | None = None, cache: bool = True) -> np.ndarray:
+    """New tokens after `prompt` (text, or a list of texts): [prompts * num_samples,
+    max_new_tokens] int32, separators included (see sample_tokens)."""
+    texts = [prompt] if isinstance(prompt, (str, bytes)) else list(prompt)
+    return self.sample_tokens([self.codec.encode(t) for t in texts], max_new_tokens,
+                              temperature, top_k, top_p, seed, num_samples, stop_token, cache)
+
+  def generate(self, prompt, max_new_tokens: int = 200, temperature: float = 1.0,
+               top_k: int = 0, seed: int = 0, num_samples: int = 1, top_p: float = 1.0,
+               stop_token: int | None = None, cache: bool = True) -> list[str]:
+    """Continuations of `prompt` (text, or a list of texts) as text, each cut before the first
+    end-of-text and the first stop token."""
+    out = self.sample(prompt, max_new_tokens, temperature, top_k, seed, num_samples, top_p,
+                      stop_token, cache)
+    stop = -1 if stop_token is None else stop_token
+    return [self.codec.decode(row[:_first(row, stop)]) for row in out]
+
+
+def check_options(max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+                  num_samples: int, stop_token: int | None) -> None:
+  """The sampling options that need no model, each refused with one sentence (ConfigError)."""
+  if max_new_tokens < 0:
+    raise ConfigError(f"--max-new-tokens={max_new_tokens} must not be negative")
+  if not temperature >= 0 or temperature == float("inf"):  # nan too
+    raise ConfigError(f"--temperature={temperature} must be a finite number, not negative "
+                      f"(0 = greedy)")
+  if top_k < 0:
+    raise ConfigError(f"--top-k={top_k} must be between 0 (off) and the vocabulary size")
+  if not 0 < top_p <= 1:  # nan too
+    raise ConfigError(f"--top-p={top_p} must be above 0 and at most 1 (1 = off)")
+  if num_samples < 1:
+    raise ConfigError(f"--num-samples={num_samples} must be positive")
+  if stop_token is not None and stop_token < -1:
+    raise ConfigError(f"--stop-token={stop_token} must be a token id (0 or more), or -1 for none")
+
+
+def _bucket(n: int) -> int:
+  """A prompt width that serves many prompt lengths, so a new length seldom compiles anew: a
+  power of two from 8 (the padding only widens the first prefill)."""
+  return max(8, 1 << (n - 1).bit_length())
+
+
+def _first(row: np.ndarray, token: int) -> int:
+  """The index of the first `token` in row, or its length."""
+  hits = np.flatnonzero(row == token)
+  return int(hits[0]) if hits.size else len(row)
+
+
+def _check_kind(cfg: jconfig.Config) -> None:
+  if cfg.model.kind not in jmesh.DECODERS:
+    raise ConfigError(f"model.kind={cfg.model.kind!r} does not generate text; only "
+                      f"{' and '.join(jmesh.DECODERS)} do")

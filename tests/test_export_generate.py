@@ -1,5 +1,6 @@
 """After training: sampling text (scripts/generate.py), safetensors export (scripts/export.py), and
 reading a checkpoint with plain orbax, without jaxpar."""
+import importlib.util
 import json
 import pathlib
 import random
@@ -51,7 +52,32 @@ def greedy_1x1x1(run):
   r = script("generate.py", "--workdir", run["workdir"], "--prompt", PROMPT,
              "--max-new-tokens", 40, "--temperature", 0)
   assert r.returncode == 0, r.stderr
+  # 10 prompt tokens (end-of-text, then 9 bytes) + 40 pass seq_len 32: the window rule is said
+  assert ("jaxpar: prompt (10 tokens) + --max-new-tokens 40 pass model.seq_len=32: a row whose "
+          "window is full continues from its last 16 tokens, re-encoded at positions 0-15\n"
+          ) in r.stderr
   return r.stdout
+
+
+def test_generate_script_samples_several_prompts_with_every_option(run, capsys):
+  """Two prompts of different lengths, two samples each, top-k, top-p, a stop token and a seed:
+  the text is the library's, and the full-recompute path (--no-cache) draws the same."""
+  spec = importlib.util.spec_from_file_location("generate_script", ROOT / "scripts" / "generate.py")
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  prompts, stop = ["the q", "a la"], ord("w")
+  args = ["--workdir", str(run["workdir"]), "--mesh", "8x1x1", "--prompt", prompts[0], "--prompt",
+          prompts[1], "--max-new-tokens", "20", "--temperature", "0.9", "--top-k", "5",
+          "--top-p", "0.9", "--stop-token", str(stop), "--num-samples", "2", "--seed", "3"]
+  assert script.main(args) == 0
+  cached = capsys.readouterr().out
+  assert script.main(args + ["--no-cache"]) == 0
+  assert capsys.readouterr().out == cached
+  sampler = generate.Sampler(str(run["workdir"]), (8, 1, 1))
+  texts = sampler.generate(prompts, 20, 0.9, 5, 3, 2, top_p=0.9, stop_token=stop)
+  assert all("w" not in t for t in texts) and len(set(texts)) > 1
+  with_prompts = [p + t for p, t in zip([prompts[0]] * 2 + [prompts[1]] * 2, texts)]
+  assert cached == ("\n\n" + "-" * 40 + "\n").join(with_prompts) + "\n"
 
 
 def test_generate_script_writes_the_prompt_and_its_continuation(run, greedy_1x1x1):

@@ -21,7 +21,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import ModelConfig
-from jaxpar.models import decoder
+from jaxpar.models import decoder, kvcache
 from jaxpar.rules import constrain, is_split
 
 
@@ -236,6 +236,30 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, dtype=jnp.float32
             remat: str = "none", manual=frozenset()) -> jax.Array:
   """tokens (B, T) int -> logits (B, T, V) float32 (decoder.forward)."""
   return decoder.forward(parts(cfg), params, tokens, dtype, dims, remat, manual)
+
+
+def embed_at(p: dict, tokens: jax.Array, positions: jax.Array, dtype) -> jax.Array:
+  """tokens (B, S) at positions (B, S) -> x (B, S, D): `embed` for tokens anywhere in the window."""
+  x = jnp.take(p["wte"], tokens, axis=0) + jnp.take(p["wpe"], positions, axis=0)
+  return x.astype(dtype)
+
+
+def block_cached(p: dict, x: jax.Array, positions: jax.Array, k_cache: jax.Array,
+                 v_cache: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, ...]:
+  """`block` for new tokens x (B, S, D) at positions (B, S) that attend over one layer's cache
+  k, v (B, T, G, K) -> (x, k, v), the new keys and values written at their positions.
+  The same projections as `block` (no remat: nothing is differentiated here)."""
+  q, k, v = _qkv(p, x, cfg, frozenset())
+  k_cache = kvcache.write(k_cache, k, positions[:, 0])
+  v_cache = kvcache.write(v_cache, v, positions[:, 0])
+  a = kvcache.attend(q, k_cache, v_cache, positions)  # (B, S, H, K)
+  return _out_mlp(p, x, a, frozenset()), k_cache, v_cache
+
+
+def cached_parts(cfg: ModelConfig) -> kvcache.CachedParts:
+  """The GPT's functions for incremental decoding (kvcache.extend)."""
+  return kvcache.CachedParts(embed=embed_at, head=parts(cfg).head,
+                             block=lambda p, x, pos, k, v: block_cached(p, x, pos, k, v, cfg))
 
 
 def n_params_nonembedding(cfg: ModelConfig) -> int:

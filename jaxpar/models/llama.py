@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.models import decoder
+from jaxpar.models import decoder, kvcache
 from jaxpar.models.gpt import attention
 from jaxpar.rules import constrain
 
@@ -57,34 +57,60 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
   return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rotary(x: jax.Array, theta: float) -> jax.Array:
-  """Rotary position embedding of x (B, T, N, K): the pair (i, i + K/2) turns by pos / theta^(2i/K)."""
+def rotary(x: jax.Array, theta: float, positions: jax.Array | None = None) -> jax.Array:
+  """Rotary position embedding of x (B, T, N, K): the pair (i, i + K/2) turns by pos / theta^(2i/K).
+  pos is the index along T, or `positions` (B, T) int where the tokens sit elsewhere (a cache)."""
   T, K = x.shape[1], x.shape[-1]
   inv_freq = 1.0 / (theta ** (jnp.arange(0, K, 2, dtype=jnp.float32) / K))  # (K/2,)
-  angle = jnp.arange(T, dtype=jnp.float32)[:, None] * inv_freq[None]  # (T, K/2)
-  cos, sin = jnp.cos(angle)[None, :, None], jnp.sin(angle)[None, :, None]  # (1, T, 1, K/2)
+  if positions is None:
+    angle = jnp.arange(T, dtype=jnp.float32)[None, :, None] * inv_freq  # (1, T, K/2)
+  else:
+    angle = positions.astype(jnp.float32)[:, :, None] * inv_freq  # (B, T, K/2)
+  cos, sin = jnp.cos(angle)[:, :, None], jnp.sin(angle)[:, :, None]  # (1 or B, T, 1, K/2)
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
-def block(p: dict, x: jax.Array, cfg: ModelConfig, manual=frozenset()) -> jax.Array:
-  """One pre-norm Llama block. p: one layer's weights; x (B, T, D) -> (B, T, D)."""
+def _qkv(p: dict, x: jax.Array, cfg: ModelConfig, manual, positions=None) -> tuple[jax.Array, ...]:
+  """Pre-norm, projections, rotary. x (B, T, D) -> q (B, T, H, K), k and v (B, T, G, K)."""
   B, T, D = x.shape
   H, G = cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
   K = D // H
   w = lambda name: p[name].astype(x.dtype)
-
   h = rms_norm(x, p["attn_norm"], cfg.norm_eps)  # split along seq under sequence parallel
   q, k, v = decoder.column_parallel(h, [w("wq"), w("wk"), w("wv")], manual)  # over heads
-  q = rotary(q.reshape(B, T, H, K), cfg.rope_theta)
-  k = rotary(k.reshape(B, T, G, K), cfg.rope_theta)
+  q = rotary(q.reshape(B, T, H, K), cfg.rope_theta, positions)
+  k = rotary(k.reshape(B, T, G, K), cfg.rope_theta, positions)
   v = v.reshape(B, T, G, K)
-  q = constrain(q, ("batch", "seq", "heads", "kv"), manual=manual)
-  x = x + decoder.row_parallel(attention(q, k, v).reshape(B, T, H * K), w("wo"), manual)
+  return constrain(q, ("batch", "seq", "heads", "kv"), manual=manual), k, v
 
+
+def _out_mlp(p: dict, x: jax.Array, a: jax.Array, cfg: ModelConfig, manual) -> jax.Array:
+  """Attention's out-projection, residual, pre-norm SwiGLU MLP, residual. x (B, T, D),
+  a (B, T, H, K) -> (B, T, D)."""
+  B, T = x.shape[:2]
+  w = lambda name: p[name].astype(x.dtype)
+  x = x + decoder.row_parallel(a.reshape(B, T, -1), w("wo"), manual)
   gate, up = decoder.column_parallel(rms_norm(x, p["mlp_norm"], cfg.norm_eps),
                                     [w("w_gate"), w("w_up")], manual)  # over mlp
   return x + decoder.row_parallel(jax.nn.silu(gate) * up, w("w_down"), manual)
+
+
+def block(p: dict, x: jax.Array, cfg: ModelConfig, manual=frozenset()) -> jax.Array:
+  """One pre-norm Llama block. p: one layer's weights; x (B, T, D) -> (B, T, D)."""
+  q, k, v = _qkv(p, x, cfg, manual)
+  return _out_mlp(p, x, attention(q, k, v), cfg, manual)
+
+
+def block_cached(p: dict, x: jax.Array, positions: jax.Array, k_cache: jax.Array,
+                 v_cache: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, ...]:
+  """`block` for new tokens x (B, S, D) at positions (B, S) (their rotary angles) that attend
+  over one layer's cache k, v (B, T, G, K) -> (x, k, v), the new keys and values written."""
+  q, k, v = _qkv(p, x, cfg, frozenset(), positions)
+  k_cache = kvcache.write(k_cache, k, positions[:, 0])
+  v_cache = kvcache.write(v_cache, v, positions[:, 0])
+  a = kvcache.attend(q, k_cache, v_cache, positions)  # (B, S, H, K)
+  return _out_mlp(p, x, a, cfg, frozenset()), k_cache, v_cache
 
 
 def embed(p: dict, tokens: jax.Array, dtype) -> jax.Array:
@@ -99,6 +125,13 @@ def parts(cfg: ModelConfig) -> decoder.Parts:
     logits, = decoder.column_parallel(rms_norm(x, p["norm"], cfg.norm_eps), [w.astype(x.dtype)])
     return logits.astype(jnp.float32)
   return decoder.Parts(embed=embed, block=lambda p, x, manual: block(p, x, cfg, manual), head=head)
+
+
+def cached_parts(cfg: ModelConfig) -> kvcache.CachedParts:
+  """The Llama's functions for incremental decoding (kvcache.extend)."""
+  return kvcache.CachedParts(embed=lambda p, tokens, positions, dtype: embed(p, tokens, dtype),
+                             head=parts(cfg).head,
+                             block=lambda p, x, pos, k, v: block_cached(p, x, pos, k, v, cfg))
 
 
 def n_params_nonembedding(cfg: ModelConfig) -> int:
