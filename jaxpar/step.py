@@ -198,15 +198,28 @@ class Trainer:
     return np.concatenate([np.arange(c * Lc, (c + 1) * Lc) for c in chunks])
 
   @staticmethod
+  def _stacked(path, x, n: int) -> bool:
+    """Whether leaf `x` at `path` is a layer stack of `n` rows (under a 'layers' key)."""
+    under = any(getattr(k, "key", None) == "layers" for k in path)
+    return under and bool(np.ndim(x)) and np.shape(x)[0] == n
+
+  @staticmethod
   def _reorder(tree: Any, order: np.ndarray | None) -> Any:
     """Rows of every leaf under a 'layers' key taken in `order` (params and optimizer moments)."""
     if order is None:
       return tree
-
-    def one(path, x):
-      under = any(getattr(k, "key", None) == "layers" for k in path)
-      return x[order] if under and x.ndim and x.shape[0] == len(order) else x
+    one = lambda path, x: x[order] if Trainer._stacked(path, x, len(order)) else x
     return jax.tree_util.tree_map_with_path(one, tree)
+
+  def _reorder_state(self, state: dict, order: np.ndarray) -> dict:
+    """`_reorder` of a whole train state (inside a jit). Offloaded optimizer moments are
+    reordered on device copies, one leaf at a time (zero.offloaded_map)."""
+    if not self.cfg.parallel.offload_optimizer:
+      return self._reorder(state, order)
+    rest = self._reorder({k: v for k, v in state.items() if k != "opt"}, order)
+    opt = zero.offloaded_map(lambda x: x[order], state["opt"], self.state_shardings["opt"],
+                             self.opt_device, lambda path, x: self._stacked(path, x, len(order)))
+    return {**rest, "opt": opt}
 
   def to_logical(self, state: dict) -> dict:
     """The state with the layer stack in the model's own order (what checkpoints hold)."""
@@ -222,7 +235,7 @@ class Trainer:
       return tree
     if inverse not in self._reorder_fns:
       order = np.argsort(self.layer_order) if inverse else self.layer_order
-      self._reorder_fns[inverse] = jax.jit(lambda t: self._reorder(t, order),
+      self._reorder_fns[inverse] = jax.jit(lambda t: self._reorder_state(t, order),
                                            out_shardings=self.state_shardings)
     with jax.set_mesh(self.mesh):
       return self._reorder_fns[inverse](tree)

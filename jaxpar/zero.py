@@ -305,3 +305,26 @@ def offloaded_update(tx, grads: Any, opt: Any, params: Any, host: Any, device: A
   new_nodes = [p_def.unflatten(cur[k]) if k in moments
                else jax.device_put(new_small[k], host_nodes[k]) for k in range(len(nodes))]
   return p_def.unflatten(new_params), n_def.unflatten(new_nodes)
+
+
+def offloaded_map(fn, tree: Any, host: Any, device: Any, where) -> Any:
+  """`fn` applied, inside a jit, to the leaves of `tree` (in host memory) that `where(path, x)`
+  picks, each on a device copy with its `device` sharding, the result put back with its `host`
+  sharding; the other leaves are returned as they are. `fn` keeps a leaf's shape.
+
+  XLA computes only on device memory (a gather of a host array does not even trace), and one
+  leaf at a time (optimization barriers order them, as in `offloaded_update`) keeps the device
+  from holding the whole state, which offload exists to avoid.
+  """
+  leaves, tdef = jax.tree_util.tree_flatten_with_path(tree)
+  host, device = tdef.flatten_up_to(host), tdef.flatten_up_to(device)
+  out = [x for _, x in leaves]
+  prev = None  # the index of the last leaf mapped
+  for i, (path, x) in enumerate(leaves):
+    if not where(path, x):
+      continue
+    if prev is not None:  # leaf i comes in only once leaf prev is back in host memory
+      x, out[prev] = jax.lax.optimization_barrier((x, out[prev]))
+    out[i] = jax.device_put(fn(jax.device_put(x, device[i])), host[i])
+    prev = i
+  return tdef.unflatten(out)
