@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jaxpar import config
+from jaxpar import cli, config, mesh as jmesh
 from jaxpar.config import ConfigError
 from jaxpar.interop import deepspeed
 from conftest import child_env
@@ -16,8 +16,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEED = ROOT / "configs" / "ds_zero3_offload_fp16.json"
 
 
-def mapped(tree, dp=8, user_set=()):
-  m = deepspeed.translate(tree, dp)
+def mapped(tree, dp=8, user_set=(), pipeline=1):
+  m = deepspeed.translate(tree, dp, pipeline=pipeline)
   return m, config.load(None, m.overrides + list(user_set))
 
 
@@ -45,6 +45,7 @@ def test_defaults_auto_and_user_set():
   tree = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto",
           "fp16": {"enabled": True}, "optimizer": {"type": "Adam", "params": {"lr": "auto"}},
           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10,
+                                                       "warmup_max_lr": "auto",
                                                        "warmup_type": "linear"}},
           "activation_checkpointing": {"partition_activations": False}}
   m, cfg = mapped(tree, dp=4, user_set=["train.b2=0.98"])
@@ -78,6 +79,13 @@ CONTRADICTORY = [
     ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.01}}},
      "adam_w_mode=false (Adam with L2 weight decay) is not available"),
     ({"gradient_clipping": "one"}, "gradient_clipping='one' must be a non-negative number"),
+    ({"fp16": {"enabled": "true"}},
+     'fp16.enabled="true" must be the JSON boolean true or false (or "auto")'),
+    ({"bf16": {"enabled": "false"}},
+     'bf16.enabled="false" must be the JSON boolean true or false (or "auto")'),
+    # Hugging Face fills "auto" in the optimizer's params only; DeepSpeed has no optimizer "auto"
+    ({"optimizer": {"type": "auto", "params": {"lr": 1e-3}}},
+     "optimizer.type='auto' is not available: jaxpar trains with AdamW"),
 ]
 
 
@@ -143,3 +151,106 @@ def test_contradiction_exits_2_with_one_sentence(tmp_path, capsys):
   err = capsys.readouterr().err.strip().splitlines()
   assert err == ["error: DeepSpeed train_batch_size=10 is not train_micro_batch_size_per_gpu=1 x "
                  "gradient_accumulation_steps=1 x data-parallel degree 8 = 8"]
+
+
+# What DeepSpeed itself does with the same JSON (its defaults, cited in each test), against what
+# jaxpar maps it to.
+
+def test_warmup_lr_without_max_lr_peaks_at_deepspeeds_default():
+  """DeepSpeed's WarmupLR(warmup_max_lr=0.001) sets every parameter group's rate itself, so the
+  optimizer's lr does not survive the warmup; "auto" (Hugging Face's) keeps the optimizer's."""
+  opt = {"type": "AdamW", "params": {"lr": 3e-4}}
+  m, cfg = mapped({"optimizer": opt, "scheduler": {"type": "WarmupLR",
+                                                   "params": {"warmup_num_steps": 10}}})
+  assert (cfg.train.lr, cfg.train.min_lr_ratio) == (0.001, 1.0)
+  assert "optimizer.params.lr=0.0003 is replaced by scheduler.params.warmup_max_lr" in m.warnings[0]
+  _, cfg = mapped({"optimizer": opt, "scheduler": {"type": "WarmupLR", "params": {
+      "warmup_num_steps": 10, "warmup_max_lr": "auto"}}})
+  assert cfg.train.lr == 3e-4
+
+
+def test_disabled_half_precision_trains_float32_as_deepspeed():
+  """DeepSpeed trains in float32 unless fp16 or bf16 is enabled; jaxpar's own compute_dtype=auto
+  would be bfloat16 on a GPU."""
+  for tree, want in [
+      ({"fp16": {"enabled": False}}, "float32"),
+      ({"bf16": {"enabled": False}}, "float32"),
+      ({"fp16": {"enabled": False}, "bf16": {"enabled": False}}, "float32"),
+      ({"fp16": {"loss_scale": 0}}, "float32"),  # DeepSpeedFP16Config.enabled defaults to False
+      ({"fp16": {"enabled": False}, "bf16": {"enabled": True}}, "bfloat16"),
+      ({"fp16": {"enabled": False}, "bf16": {"enabled": "auto"}}, "auto")]:  # Hugging Face's
+    m, cfg = mapped(tree)
+    assert cfg.precision.compute_dtype == want, tree
+    assert ("-> precision.compute_dtype = float32" in m.table()) == (want == "float32")
+
+
+def test_absent_gradient_clipping_is_deepspeeds_no_clipping():
+  """DeepSpeed's GRADIENT_CLIPPING_DEFAULT is 0, no clipping (jaxpar's own default is 1.0)."""
+  m, cfg = mapped({"train_batch_size": 16})
+  assert cfg.train.clip_norm == 0.0
+  assert "gradient_clipping (DeepSpeed default: no clipping) -> train.clip_norm = 0.0" in m.table()
+  assert mapped({"train_batch_size": 16, "gradient_clipping": "auto"})[1].train.clip_norm == \
+      config.Config().train.clip_norm
+
+
+def test_batch_is_completed_as_deepspeed_does():
+  """DeepSpeed's _set_batch_related_parameters on data 8: the missing one of train_batch_size =
+  micro x accumulation x world size is derived, a missing accumulation is 1, the micro batch has
+  no default; "auto" leaves the batch to jaxpar."""
+  jaxpar_batch = config.Config().train.batch_size
+  for tree, want in [
+      ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}, (64, 4)),
+      ({"train_batch_size": 64, "gradient_accumulation_steps": 4}, (64, 4)),
+      ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 2}, (64, 4)),
+      ({"train_batch_size": 64}, (64, 1)),
+      ({"train_micro_batch_size_per_gpu": 2}, (16, 1)),
+      ({"train_batch_size": "auto", "gradient_accumulation_steps": 4}, (jaxpar_batch, 4))]:
+    _, cfg = mapped(tree)
+    assert (cfg.train.batch_size, cfg.train.grad_accum) == want, tree
+  # accumulation alone: DeepSpeed asserts 'Either train_batch_size or
+  # train_micro_batch_size_per_gpu needs to be provided'
+  with pytest.raises(ConfigError, match="gradient_accumulation_steps=4 alone does not give the "
+                     "batch size: add train_batch_size or train_micro_batch_size_per_gpu"):
+    deepspeed.translate({"gradient_accumulation_steps": 4}, 8)
+
+
+def test_pipeline_mesh_takes_accumulation_steps_as_microbatches():
+  """DeepSpeed's PipelineEngine runs gradient_accumulation_steps microbatches of
+  train_micro_batch_size_per_gpu per train_batch() and steps once: on 2x1x4 the same JSON is 8
+  microbatches of 1 example per data shard, one optimizer step, 16 examples."""
+  tree = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8}
+  m, cfg = mapped(tree, dp=2, user_set=["model.n_layers=4"], pipeline=4)
+  t, p = cfg.train, cfg.parallel
+  assert (t.batch_size, t.grad_accum, p.microbatches) == (16, 1, 8)
+  assert t.batch_size // (2 * t.grad_accum * p.microbatches) == 1  # DeepSpeed's micro batch
+  jmesh.check((2, 1, 4), cfg, 8)  # the mesh takes it
+  row = ("gradient_accumulation_steps = pipeline microbatches", "parallel.microbatches", 8)
+  assert row in m.rows
+  # the CLI reads the pipeline degree from --mesh: the seed's 16 = 1 x 2 x data 8
+  words = deepspeed.cli_overrides(str(SEED), "8x1x2", [], show=False)
+  assert "parallel.microbatches=2" in words and "train.grad_accum=1" in words
+  assert mapped(tree, dp=2)[1].train.grad_accum == 8  # no pipeline: plain accumulation
+
+
+@pytest.mark.parametrize("tree,said", [
+    ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps=4 alone"),
+    ({"train_batch_size": 16, "fp16": {"enabled": "true"}}, 'fp16.enabled="true" must be'),
+    ({"train_batch_size": 16, "optimizer": {"type": "auto"}}, "optimizer.type='auto' is not"),
+], ids=["accum-alone", "enabled-string", "optimizer-auto"])
+def test_new_refusals_exit_2_with_one_sentence(tmp_path, capsys, monkeypatch, tree, said):
+  bad = tmp_path / "ds.json"
+  bad.write_text(json.dumps(tree))
+  sys.path.insert(0, str(ROOT / "scripts"))
+  try:
+    import train as train_script
+  finally:
+    sys.path.pop(0)
+
+  def accepted(*_, **__):  # a config that got through would go on to train: stop it here
+    raise AssertionError(f"{tree} was accepted")
+  monkeypatch.setattr(cli, "setup", accepted)
+  rc = train_script.main(["--mesh", "8x1x1", "--deepspeed", str(bad), "--workdir",
+                          str(tmp_path / "wd")])
+  assert rc == 2 and not (tmp_path / "wd").exists()
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith(f"error: DeepSpeed {said}"), err

@@ -5,7 +5,10 @@ script applies after --config and before the user's own --set (so those win). It
 
 - a block that is absent, or a value of "auto" (Hugging Face's placeholder), leaves jaxpar's value;
 - a key left out of a block that is present takes DeepSpeed's default (fp16 without a loss_scale
-  is dynamically scaled; an optimizer without betas has (0.9, 0.999)), and the table says so;
+  is dynamically scaled; an optimizer without betas has (0.9, 0.999)), and the table says so; so
+  does `gradient_clipping`, a top-level key whose absence DeepSpeed reads as 0, no clipping;
+- the batch keys are completed as DeepSpeed's config does it; on a pipeline mesh (pipeline > 1)
+  the accumulation steps are the pipeline's microbatches, as in DeepSpeed's pipeline engine;
 - what cannot be honoured is named. A contradiction, or a request for a different optimizer or
   schedule family, is a ConfigError (the CLI's one sentence, exit 2); what only tunes how DeepSpeed
   runs (bucket sizes, overlap, logging) or where bytes live is a one-line warning; a key DeepSpeed
@@ -95,8 +98,9 @@ def _text(value: Any) -> str:
   return repr(value) if isinstance(value, float) else str(value)
 
 
-def load(path: str, data_parallel: int) -> Mapping:
-  """The mapping of the DeepSpeed config file at `path` for a mesh with `data_parallel` = data."""
+def load(path: str, data_parallel: int, pipeline: int = 1) -> Mapping:
+  """The mapping of the DeepSpeed config file at `path` for a mesh with `data_parallel` = data
+  and `pipeline` stages."""
   if not os.path.isfile(path):
     raise ConfigError(f"DeepSpeed config {path} does not exist")
   with open(path) as f:
@@ -107,7 +111,7 @@ def load(path: str, data_parallel: int) -> Mapping:
     raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {e}") from None
   if not isinstance(tree, dict):
     raise ConfigError(f"DeepSpeed config {path} must hold a JSON object, got {type(tree).__name__}")
-  return translate(tree, data_parallel, source=path)
+  return translate(tree, data_parallel, source=path, pipeline=pipeline)
 
 
 def cli_overrides(path: str, mesh: str, user_set: list[str], show: bool = True) -> list[str]:
@@ -116,7 +120,8 @@ def cli_overrides(path: str, mesh: str, user_set: list[str], show: bool = True) 
   import sys
 
   from jaxpar import mesh as jmesh
-  m = load(path, jmesh.parse(mesh)[0])
+  data, _, pipeline = jmesh.parse(mesh)
+  m = load(path, data, pipeline)
   if show:
     print(m.table(user_set), flush=True)
     for w in m.warnings:
@@ -124,14 +129,18 @@ def cli_overrides(path: str, mesh: str, user_set: list[str], show: bool = True) 
   return m.overrides
 
 
-def translate(tree: dict, data_parallel: int, source: str = "DeepSpeed config") -> Mapping:
-  """The mapping of a parsed DeepSpeed config (see the module's rules)."""
+def translate(tree: dict, data_parallel: int, source: str = "DeepSpeed config",
+              pipeline: int = 1) -> Mapping:
+  """The mapping of a parsed DeepSpeed config (see the module's rules) for a mesh with
+  `data_parallel` = data and `pipeline` stages."""
   m = Mapping(source)
   unknown: list[str] = []
-  _batch(tree, data_parallel, m)
-  clip = _given(tree, "gradient_clipping")
-  if clip is not None:
-    m.rows.append(("gradient_clipping", "train.clip_norm", _number("gradient_clipping", clip)))
+  _batch(tree, data_parallel, pipeline, m)
+  if "gradient_clipping" not in tree:  # DeepSpeed's default 0 turns clipping off
+    m.rows.append(("gradient_clipping (DeepSpeed default: no clipping)", "train.clip_norm", 0.0))
+  elif _given(tree, "gradient_clipping") is not None:
+    m.rows.append(("gradient_clipping", "train.clip_norm",
+                   _number("gradient_clipping", tree["gradient_clipping"])))
   _precision(tree, m, unknown)
   lr = _optimizer(tree.get("optimizer"), m, unknown)
   _scheduler(tree.get("scheduler"), lr, m, unknown)
@@ -188,8 +197,13 @@ def _check_keys(block: dict, prefix: str, known, unknown: list[str]) -> None:
 
 # -- blocks ----------------------------------------------------------------------------------------
 
-def _batch(tree: dict, dp: int, m: Mapping) -> None:
-  """train_batch_size = micro x accumulation x data-parallel degree, derived as DeepSpeed does."""
+def _batch(tree: dict, dp: int, pipeline: int, m: Mapping) -> None:
+  """train_batch_size = micro x accumulation x data-parallel degree, derived as DeepSpeed's config
+  does (runtime/config.py, _set_batch_related_parameters then _batch_assertion): a missing value
+  is derived from the other two, a missing accumulation is 1 and the micro batch is never
+  defaulted, so accumulation alone is refused. With a pipeline the accumulation steps are the
+  pipeline's microbatches (DeepSpeed's PipelineEngine runs gradient_accumulation_steps
+  microbatches per train_batch() and steps the optimizer once)."""
   keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
   total, micro, accum = (None if _given(tree, k) is None else _number(k, tree[k], integer=True)
                          for k in keys)
@@ -197,6 +211,11 @@ def _batch(tree: dict, dp: int, m: Mapping) -> None:
     if v == 0:
       raise ConfigError(f"DeepSpeed {k}=0 must be positive")
   accum_name = keys[2]
+  if accum is not None and total is None and micro is None and \
+      not any(tree.get(k) == AUTO for k in keys[:2]):  # "auto": the batch is jaxpar's
+    raise ConfigError(f"DeepSpeed gradient_accumulation_steps={accum} alone does not give the "
+                      f"batch size: add train_batch_size or train_micro_batch_size_per_gpu "
+                      f"(DeepSpeed refuses it too)")
   if total is not None and micro is not None:
     if accum is None:
       if total % (micro * dp):
@@ -219,14 +238,37 @@ def _batch(tree: dict, dp: int, m: Mapping) -> None:
     name = keys[0] if _given(tree, keys[0]) is not None else \
         f"{keys[1]} x {keys[2]} x data {dp}"
     m.rows.append((name, "train.batch_size", total))
-  if accum is not None:
+  if accum is None:
+    return
+  if pipeline > 1:
+    m.rows.append((accum_name + " = pipeline microbatches", "parallel.microbatches", accum))
+    m.rows.append((f"pipeline={pipeline}: one optimizer step per batch", "train.grad_accum", 1))
+  else:
     m.rows.append((accum_name, "train.grad_accum", accum))
+
+
+def _enabled(tree: dict, name: str) -> bool | None:
+  """A precision block's `enabled`: None where the block is absent or "auto" (jaxpar's choice),
+  else DeepSpeed's value, false where the present block leaves it out."""
+  if name not in tree:
+    return None
+  value = _block(tree, name).get("enabled", False)
+  if value == AUTO:
+    return None
+  # A string is refused, not read: DeepSpeed's older config took any non-empty string ("false"
+  # too) as on, its pydantic config parses "true"/"false" as booleans.
+  if not isinstance(value, bool):
+    raise ConfigError(f"DeepSpeed {name}.enabled={json.dumps(value)} must be the JSON boolean "
+                      f"true or false (or \"auto\")")
+  return value
 
 
 def _precision(tree: dict, m: Mapping, unknown: list[str]) -> None:
   fp16 = _block(tree, "fp16")
-  bf16 = _block(tree, "bf16") or _block(tree, "bfloat16")
-  on16, onbf = _given(fp16, "enabled") is True, _given(bf16, "enabled") is True
+  bf16_name = "bf16" if "bf16" in tree else "bfloat16"
+  bf16 = _block(tree, bf16_name)
+  state16, statebf = _enabled(tree, "fp16"), _enabled(tree, bf16_name)
+  on16, onbf = state16 is True, statebf is True
   if on16 and onbf:
     raise ConfigError("DeepSpeed fp16.enabled and bf16.enabled are both true; enable one")
   _check_keys(fp16, "fp16", ("enabled", "auto_cast", "loss_scale", "initial_scale_power",
@@ -239,6 +281,14 @@ def _precision(tree: dict, m: Mapping, unknown: list[str]) -> None:
     for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
       _ignore(f"bf16.{k}", bf16.get(k), "jaxpar keeps parameters and optimizer state in "
               "precision.param_dtype", m)
+  # DeepSpeed trains in float32 unless a block enables half precision; jaxpar's own default
+  # (auto) would be bfloat16 on a GPU. Absent or "auto" blocks leave jaxpar's choice.
+  present = {k: (b, state) for k, b, state in (("fp16", fp16, state16), (bf16_name, bf16, statebf))
+             if k in tree}
+  if present and all(state is False for _, state in present.values()):
+    off = [f"{k}.enabled" + ("" if "enabled" in b else DEFAULT) + "=false"
+           for k, (b, _) in present.items()]
+    m.rows.append((", ".join(off), "precision.compute_dtype", "float32"))
   if not on16:
     return
   m.rows.append(("fp16.enabled", "precision.compute_dtype", "float16"))
@@ -274,9 +324,12 @@ def _optimizer(opt: Any, m: Mapping, unknown: list[str]) -> float | None:
   if opt is None:
     return None
   opt = _block({"optimizer": opt}, "optimizer")
-  kind = _given(opt, "type")
+  kind = opt.get("type")
+  # "auto" is refused too: Hugging Face fills only the optimizer's params, and DeepSpeed has no
+  # optimizer of that name
   if not isinstance(kind, str) or kind.lower() not in _OPTIMIZERS:
-    raise ConfigError(f"DeepSpeed optimizer.type={kind!r} is not available: jaxpar trains with "
+    said = "is missing" if kind is None else f"={kind!r} is not available"
+    raise ConfigError(f"DeepSpeed optimizer.type{' ' * (kind is None)}{said}: jaxpar trains with "
                       f"AdamW (DeepSpeed types Adam, AdamW)")
   _check_keys(opt, "optimizer", ("type", "params"), unknown)
   p = _block(opt, "params")
@@ -341,9 +394,9 @@ def _scheduler(sched: Any, opt_lr: float | None, m: Mapping, unknown: list[str])
     floor, floor_name = get("cos_min_ratio", 0.0001)
     start, start_name = get("warmup_min_ratio", 0.0)
   else:
-    # WarmupLR's peak defaults to the optimizer's rate, WarmupDecayLR's to 0.001; DeepSpeed's
-    # schedulers set the rate, so a peak replaces the optimizer's.
-    peak, peak_name = get("warmup_max_lr", None if kind == "WarmupLR" else 0.001)
+    # Both schedulers' peak defaults to 0.001 (lr_schedules.py), whatever the optimizer's rate:
+    # DeepSpeed's schedulers set the rate, so a peak replaces the optimizer's; "auto" keeps it.
+    peak, peak_name = get("warmup_max_lr", 0.001)
     if peak is not None:
       if opt_lr is not None and opt_lr != peak:
         m.warnings.append(f"optimizer.params.lr={opt_lr} is replaced by {peak_name}={peak}, "
