@@ -122,8 +122,11 @@ def test_sampling_follows_the_seed_and_no_option_recompiles(model):
   assert np.array_equal(a, sampler.sample_tokens(PROMPTS, NEW, seed=0, **kw))
   assert not np.array_equal(a, sampler.sample_tokens(PROMPTS, NEW, seed=1, **kw))
   assert np.array_equal(a, sampler.sample_tokens(PROMPTS, NEW, seed=0, cache=False, **kw))
-  # a row draws by its index: the first row alone draws what it drew in the batch
+  # a row draws by its index: the first row alone draws what it drew in the batch, and the
+  # same prompt twice in one batch draws twice
   assert np.array_equal(sampler.sample_tokens(PROMPTS[:1], NEW, seed=0, **kw)[0], a[0])
+  twice = sampler.sample_tokens([PROMPTS[0], PROMPTS[0], PROMPTS[2]], NEW, seed=0, **kw)
+  assert np.array_equal(twice[0], a[0]) and not np.array_equal(twice[1], a[0])
   fn = sampler._fn(32, NEW, 3, True)  # the batch's shape: temperature, top-k/p, seed and stop
   assert fn._cache_size() == 1  # are arguments of one compiled loop
 
