@@ -2,6 +2,7 @@
 
 `collective_bytes` parses the text of the optimized HLO (`compiled.as_text()`), so it sees what
 XLA actually runs after SPMD partitioning, combining and async conversion, and it needs no device.
+`collectives` lists the same collectives one by one, with every array of each one's result.
 
 Counting rules of `collective_bytes`:
 - A collective's bytes are the size of its result buffer(s) on one device; tuple results are summed.
@@ -26,7 +27,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
@@ -110,10 +111,24 @@ def _strip_comments(text: str) -> str:
   return re.sub(r"/\*.*?\*/", "", text)
 
 
+def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+  """(element type, dims) of each array in an HLO shape text, a tuple's elements in order; a
+  bounded dynamic dim (`<=16`) is its bound, an unbounded one (`?`) 0."""
+  out = []
+  for dtype, dims in _ARRAY.findall(_strip_comments(shape)):
+    sizes = []
+    for d in dims.split(","):
+      d = d.strip().lstrip("<=")
+      if d:
+        sizes.append(int(d) if d.isdigit() else 0)
+    out.append((dtype, tuple(sizes)))
+  return out
+
+
 def shape_bytes(shape: str) -> int:
   """Bytes of an HLO shape text such as `f32[8,128]{1,0}` or `(bf16[4], s32[])`, tuples summed."""
   total = 0
-  for dtype, dims in _ARRAY.findall(_strip_comments(shape)):
+  for dtype, dims in _arrays(shape):
     bits = _ELEMENT_BITS.get(dtype)
     if bits is None:
       # Types newer than the table spell their width first: f8e4m3..., s4, u16.
@@ -121,12 +136,7 @@ def shape_bytes(shape: str) -> int:
       if width is None:
         raise ValueError(f"unknown HLO element type {dtype!r} in shape {shape!r}")
       bits = int(width.group(1))
-    n = 1
-    for d in dims.split(","):
-      d = d.strip().lstrip("<=")
-      if d:
-        n *= int(d) if d.isdigit() else 0
-    total += (n * bits + 7) // 8
+    total += (math.prod(dims) * bits + 7) // 8
   return total
 
 
@@ -336,15 +346,22 @@ def _trip_count(comps: dict[str, _Computation], caller: _Computation, loop: _Ins
   return _infer_trip_count(comps, caller, loop)
 
 
+def _kind(ins: _Instr) -> str | None:
+  """The kind (one of KINDS) of a counted collective: a synchronous one, the -done of an async
+  pair, or a recv-done that is not a host transfer; None for any other instruction (-start too)."""
+  if ins.opcode in _SYNC_KIND:
+    return _SYNC_KIND[ins.opcode]
+  if ins.opcode in _DONE_KIND:
+    return _DONE_KIND[ins.opcode]
+  if ins.opcode == "recv-done" and "is_host_transfer=true" not in ins.attrs:
+    return "collective-permute"
+  return None
+
+
 def _own_bytes(ins: _Instr) -> tuple[str, int] | None:
   """(kind, bytes) that this instruction itself contributes, if it is a counted collective."""
-  if ins.opcode in _SYNC_KIND:
-    return _SYNC_KIND[ins.opcode], shape_bytes(ins.shape)
-  if ins.opcode in _DONE_KIND:
-    return _DONE_KIND[ins.opcode], shape_bytes(ins.shape)
-  if ins.opcode == "recv-done" and "is_host_transfer=true" not in ins.attrs:
-    return "collective-permute", shape_bytes(ins.shape)
-  return None
+  kind = _kind(ins)
+  return None if kind is None else (kind, shape_bytes(ins.shape))
 
 
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
@@ -457,6 +474,28 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
   if entry is None:
     return dict.fromkeys(KINDS, 0)
   return dict(_computation_bytes(comps, entry, {}, set()))
+
+
+@dataclass(frozen=True)
+class Collective:
+  """One collective of a program (see `collectives`)."""
+  kind: str  # one of KINDS
+  arrays: tuple[tuple[str, tuple[int, ...]], ...]  # its result's arrays: (element type, dims);
+  # one for an array result, each element of a tuple result (XLA's combined collectives)
+  computation: str  # the computation it is in
+  name: str  # the instruction that gives its result: the -done of an async pair
+
+
+def collectives(hlo_text: str) -> Iterator[Collective]:
+  """Each collective of an HLO module's text once, wherever it is (loops not multiplied): the ones
+  `collective_bytes` counts, by the same rules (an async pair at its -done, a generic async-start
+  through the collective in its computation, recv-done as collective-permute)."""
+  comps, _ = _module(hlo_text)
+  for comp in comps.values():
+    for ins in comp.instrs.values():
+      kind = _kind(ins)
+      if kind is not None:
+        yield Collective(kind, tuple(_arrays(ins.shape)), comp.name, ins.name)
 
 
 def sent_bytes(hlo_text: str, devices: int) -> dict[str, float]:
