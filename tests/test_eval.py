@@ -47,10 +47,11 @@ def test_eval_bytes_per_device_within_the_step_on_2x2x2_zero3():
   t, t0 = (eq.trainer(eq.make_cfg(f"parallel.zero_stage={z}", *extra), (2, 2, 2)) for z in (3, 0))
   cfg = t.cfg
   batch = {"tokens": jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32)}
-  mem = lambda t: hlo.memory(t.eval_jitted(batch).lower(t.abstract_state["params"], batch).compile())
+  def eval_memory(tr):
+    return hlo.memory(tr.eval_jitted(batch).lower(tr.abstract_state["params"], batch).compile())
   with jax.set_mesh(t.mesh):
     step = hlo.memory(t.lower(batch).compile())
-    ev, ev0 = mem(t), mem(t0)
+    ev, ev0 = eval_memory(t), eval_memory(t0)
   used = lambda m: m["argument_bytes"] + m["temp_bytes"]
   assert used(ev) <= used(step), (ev, step)
   # No device holds the stack whole: what ZeRO-3 adds to the eval's temporaries over the same eval
