@@ -134,7 +134,7 @@ class Trainer:
   def init(self, seed: int) -> dict:
     """The whole train state, created sharded: each device computes only its shards."""
     def init_fn(key):
-      params = self._reorder(self.model.init(key), self.layer_order)
+      params = self._in_stage_order(self.model.init(key))
       return self._new_state(params)
     with jax.set_mesh(self.mesh):
       return jax.jit(init_fn, out_shardings=self.state_shardings)(jax.random.key(seed))
@@ -143,8 +143,7 @@ class Trainer:
     """A new train state (step 0, fresh optimizer) around given parameters in the model's own
     layer order, e.g. imported ones; `params` already carry the parameter shardings."""
     def init_fn(params):
-      params = self._reorder(jmodel.cast(params, precision.param_dtype(self.cfg.precision)),
-                             self.layer_order)
+      params = self._in_stage_order(jmodel.cast(params, precision.param_dtype(self.cfg.precision)))
       return self._new_state(params)
     with jax.set_mesh(self.mesh):
       return jax.jit(init_fn, out_shardings=self.state_shardings, donate_argnums=0)(params)
@@ -211,14 +210,36 @@ class Trainer:
     one = lambda path, x: x[order] if Trainer._stacked(path, x, len(order)) else x
     return jax.tree_util.tree_map_with_path(one, tree)
 
-  def _reorder_state(self, state: dict, order: np.ndarray) -> dict:
-    """`_reorder` of a whole train state (inside a jit). Offloaded optimizer moments are
-    reordered on device copies, one leaf at a time (zero.offloaded_map)."""
+  def _rows(self, inverse: bool):
+    """x (L, ...) -> x[layer_order] (inverse: x[argsort(layer_order)]), inside a jit.
+
+    Chunk v·P + s of the model's order is slot v of stage s in the state's, so the reorder is a
+    transpose of the (V, P) grid of chunks: GSPMD makes it an all-to-all over `pipeline` where
+    the grid's blocks line up with the stages (V a multiple of P or P of V), where a gather by
+    `layer_order` all-gathers the whole stack onto every stage first.
+    """
+    P, V = self.schedule.stages, self.schedule.virtual_stages
+    grid = (P, V) if inverse else (V, P)
+    return lambda x: x.reshape(grid + (-1,) + x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+
+  def _in_stage_order(self, tree: Any, inverse: bool = False) -> Any:
+    """Every layer stack of `tree` (parameters, moments) in the state's order (inverse: the
+    model's), inside a jit."""
+    if self.layer_order is None:
+      return tree
+    rows, n = self._rows(inverse), len(self.layer_order)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: rows(x) if self._stacked(path, x, n) else x, tree)
+
+  def _state_in_stage_order(self, state: dict, inverse: bool) -> dict:
+    """`_in_stage_order` of a whole train state. Offloaded optimizer moments are reordered on
+    device copies, one leaf at a time (zero.offloaded_map)."""
     if not self.cfg.parallel.offload_optimizer:
-      return self._reorder(state, order)
-    rest = self._reorder({k: v for k, v in state.items() if k != "opt"}, order)
-    opt = zero.offloaded_map(lambda x: x[order], state["opt"], self.state_shardings["opt"],
-                             self.opt_device, lambda path, x: self._stacked(path, x, len(order)))
+      return self._in_stage_order(state, inverse)
+    rest = self._in_stage_order({k: v for k, v in state.items() if k != "opt"}, inverse)
+    n = len(self.layer_order)
+    opt = zero.offloaded_map(self._rows(inverse), state["opt"], self.state_shardings["opt"],
+                             self.opt_device, lambda path, x: self._stacked(path, x, n))
     return {**rest, "opt": opt}
 
   def to_logical(self, state: dict) -> dict:
@@ -234,8 +255,7 @@ class Trainer:
     if self.layer_order is None:
       return tree
     if inverse not in self._reorder_fns:
-      order = np.argsort(self.layer_order) if inverse else self.layer_order
-      self._reorder_fns[inverse] = jax.jit(lambda t: self._reorder_state(t, order),
+      self._reorder_fns[inverse] = jax.jit(lambda t: self._state_in_stage_order(t, inverse),
                                            out_shardings=self.state_shardings)
     with jax.set_mesh(self.mesh):
       return self._reorder_fns[inverse](tree)

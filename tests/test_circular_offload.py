@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar import checkpoint, config, loop
+from jaxpar import checkpoint, config, hlo, loop
 from test_resume import TINY, run
 
 MESH = (4, 1, 2)
@@ -108,6 +108,11 @@ def test_a_restored_state_is_in_stage_order_with_the_moments_in_host_memory(unbr
   kinds = {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(staged["opt"])}
   assert kinds == {"pinned_host"}
   assert_close(trainer.to_logical(staged), logical, 0, "to_logical")
+  # Each stage receives only its own layers: no stage gathers the whole stack.
+  with jax.set_mesh(trainer.mesh):
+    for inverse, state in ((False, logical), (True, staged)):
+      sent = hlo.collective_bytes(trainer._reorder_fns[inverse].lower(state).compile().as_text())
+      assert sent.get("all-to-all", 0) > 0 and sent.get("all-gather", 0) == 0, (inverse, sent)
 
 
 def test_a_circular_offloaded_checkpoint_resumes_without_the_circular_schedule(unbroken, tmp_path):
