@@ -40,7 +40,8 @@ def test_remat_composes_with_a_zero3_pipeline():
   """Four layers per stage: a stage's backward recomputes its forward from the stashed input, so
   with one layer per stage the policies kept the same residuals (none and dots_saveable compiled
   to the same temporaries); with four they differ as without a pipeline. The model is
-  test_pipeline's, whose one-device reference the compilation cache then holds."""
+  test_pipeline's: its one-device reference and its 1F1B ZeRO-3 step (remat none) are programs
+  that test compiles too, so the compilation cache holds them for whichever runs second."""
   model = ["model.n_layers=8", "parallel.microbatches=4"]
   pipe = [*model, "parallel.zero_stage=3", "parallel.schedule=1f1b"]
   cfg = eq.make_cfg("parallel.remat=dots_saveable", *pipe)
