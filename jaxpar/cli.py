@@ -62,6 +62,8 @@ def compile_cache_dir(cfg: jconfig.Config, environ=None) -> str | None:
     return None
   if value:
     return os.path.abspath(os.path.expanduser(value))
+  if environ.get("JAX_ENABLE_COMPILATION_CACHE", "").strip().lower() in ("0", "false", "no", "off"):
+    return None  # JAX's own switch, turned off by the caller
   if environ.get("JAX_COMPILATION_CACHE_DIR"):  # a caller's (the test session's) own cache
     return environ["JAX_COMPILATION_CACHE_DIR"]
   if environ.get(ENV_COMPILE_CACHE):  # a site-wide default, e.g. a shared filesystem's folder

@@ -76,8 +76,24 @@ class TrainConfig:
   eval_every: int = 0  # evaluate on data.eval_split every N steps (0 = never)
   eval_steps: int = 10  # batches per evaluation (0 = the whole split)
   skip_nonfinite: bool = False  # a step with a non-finite loss or gradient leaves the state as it was
+  # Loss-spike guard (off at 0): a non-finite loss or gradient norm, or spike_steps losses in a row
+  # above spike_factor x the median of the last spike_window losses, restores the state of the
+  # last logged step before them (a copy kept in host memory, taken at each train.log_every step
+  # that was good), skips the batches trained since that step and goes on; after max_rollbacks
+  # rollbacks the next spike stops the run.
+  spike_factor: float = 0.0
+  spike_steps: int = 2
+  spike_window: int = 100
+  max_rollbacks: int = 3
+  # A step that makes no progress this long ends the run (exit 1) with every thread's Python
+  # stack and one sentence naming the processes that stopped answering (jaxpar/distributed.py,
+  # Watchdog). 0 = the default: 900 s for the first step (it holds the compile) and for saves and
+  # evaluations, and for later steps the larger of 60 s and 10x the longest wait between steps.
+  stall_timeout: float = 0.0
+  first_step_timeout: float = 0.0
   # Compiled programs kept on disk, so a restart or a second run of the same layout loads its step
-  # instead of compiling it: "" = $JAX_COMPILATION_CACHE_DIR if set, else $JAXPAR_COMPILE_CACHE
+  # instead of compiling it: "" = none if $JAX_ENABLE_COMPILATION_CACHE is false, else
+  # $JAX_COMPILATION_CACHE_DIR if set, else $JAXPAR_COMPILE_CACHE
   # (a folder or off), else $XDG_CACHE_HOME/jaxpar/xla (~/.cache/jaxpar/xla); "off" = no cache;
   # else the folder to use.
   compile_cache: str = ""
@@ -141,12 +157,14 @@ _POSITIVE = ("model.n_layers", "model.d_model", "model.n_heads", "model.d_ff", "
              "model.seq_len", "model.num_classes", "train.steps", "train.batch_size",
              "train.grad_accum", "train.log_every",
              "parallel.virtual_stages", "checkpoint.keep", "precision.initial_scale",
-             "precision.growth_interval", "precision.min_scale", "model.norm_eps", "model.rope_theta")
+             "precision.growth_interval", "precision.min_scale", "model.norm_eps", "model.rope_theta",
+             "train.spike_steps", "train.spike_window")
 _BELOW_ONE = ("train.b1", "train.b2")  # in [0, 1): Adam's betas
 _FRACTION = ("train.min_lr_ratio",)  # in [0, 1]: the final learning rate, a fraction of the peak
 _NON_NEGATIVE = ("model.n_kv_heads", "model.max_positions", "parallel.microbatches", "train.warmup_steps", "train.weight_decay", "train.clip_norm",
                  "checkpoint.every", "data.max_bytes", "train.lr", "data.workers",
-                 "train.eval_every", "train.eval_steps")
+                 "train.eval_every", "train.eval_steps", "train.max_rollbacks",
+                 "train.stall_timeout", "train.first_step_timeout")
 
 
 def _field_types(cls) -> dict[str, Any]:
@@ -233,6 +251,9 @@ def validate(cfg: Config) -> Config:
     value = get(cfg, key)
     if not (0 <= value < 1 or (key in _FRACTION and value == 1)):
       raise ConfigError(f"config key {key}={value} must be in {'[0, 1]' if key in _FRACTION else '[0, 1)'}")
+  if cfg.train.spike_factor and not cfg.train.spike_factor > 1:
+    raise ConfigError(f"config key train.spike_factor={cfg.train.spike_factor} must be 0 (no "
+                      f"loss-spike guard) or above 1 (a multiple of the running median loss)")
   if cfg.parallel.zero_stage not in (0, 1, 2, 3):
     raise ConfigError(f"config key parallel.zero_stage={cfg.parallel.zero_stage} must be 0, 1, 2 or 3")
   _check_loss_scale(cfg.precision)

@@ -397,3 +397,157 @@ def exit_if_peer_lost(e: BaseException) -> None:
   sys.stdout.flush()
   # A normal exit would first wait at JAX's shutdown barrier for the dead process, then abort.
   os._exit(EXIT_FAILED)
+
+
+# -- a stalled step --------------------------------------------------------------------------------
+
+STALL_SENTENCE = "stopped answering"  # launch_local.py reads the process named before it
+_ALIVE = "jaxpar/alive/"  # key prefix in JAX's coordination service: one counter per process
+_BEAT_S = 1.0  # how often each process's thread bumps its counter
+
+
+def stall_limits(tc, measured_gap: float | None) -> tuple[float, float]:
+  """(limit for the first step, which holds the compile and the first collectives; limit for
+  later steps): train.first_step_timeout and train.stall_timeout, or where 0 their defaults,
+  900 s and the larger of 60 s and 10x the longest wait between two steps seen so far."""
+  first = tc.first_step_timeout or 900.0
+  later = tc.stall_timeout or max(60.0, 10.0 * (measured_gap or 0.0))
+  return first, later
+
+
+class Watchdog:
+  """Ends the process when the training loop makes no progress for longer than its limit.
+
+  The loop calls `at(step, what)` whenever it moves on (to the next batch, step, collective,
+  metrics fetch, save). A thread checks that the last call is not older than the limit: the
+  first-step limit until `first_step_done()` and for saves and evaluations, else the steady one.
+  Past it, this process writes what it waits in and every thread's Python stack (faulthandler)
+  to stderr, then one sentence naming the processes that stopped answering, and exits 1.
+
+  Which processes stopped answering: each process's own thread bumps a counter in JAX's
+  coordination service every second, whatever its main thread waits in; a process whose counter
+  does not move while this one watches (3 s) is stopped or gone. A process blocked in the same
+  collective as this one still counts, so only the culprit is named. With one process there is
+  nobody else to blame and the sentence says where the step waits.
+  """
+
+  def __init__(self, tc, log_every: int):
+    self.tc, self.log_every = tc, log_every
+    self.step, self.what, self.t = 0, "starting", time.monotonic()
+    self.first, self.slow = True, False
+    self.longest = 0.0  # the longest wait between two calls after the first step
+
+  def at(self, step: int, what: str, slow: bool = False) -> None:
+    """The loop moved on to `what` for `step`; `slow` (saves, evals): the first-step limit."""
+    now = time.monotonic()
+    if not self.first and not self.slow:
+      self.longest = max(self.longest, now - self.t)
+    self.step, self.what, self.slow, self.t = step, what, slow, now
+
+  def first_step_done(self) -> None:
+    self.first = False
+    self.t = time.monotonic()
+
+  def limit(self) -> float:
+    first, later = stall_limits(self.tc, self.longest)
+    return first if self.first or self.slow else later
+
+  def __enter__(self):
+    """Starts watching (again): the compile is watched, and then the loop."""
+    import jax
+    self._stop = threading.Event()
+    self._threads: list[threading.Thread] = []
+    self.t = time.monotonic()
+    self.pi, self.pc = jax.process_index(), jax.process_count()
+    self.client = None
+    if self.pc > 1:
+      from jax._src import distributed as jd  # the coordination service's key-value store
+      self.client = jd.global_state.client
+    if self.client is not None:
+      self._threads.append(threading.Thread(target=self._beat, name="jaxpar-alive", daemon=True))
+    self._threads.append(threading.Thread(target=self._watch, name="jaxpar-watchdog", daemon=True))
+    for t in self._threads:
+      t.start()
+    return self
+
+  def __exit__(self, *exc):
+    self._stop.set()
+
+  def _beat(self) -> None:
+    n = 0
+    while not self._stop.wait(_BEAT_S):
+      n += 1
+      try:
+        self.client.key_value_set(f"{_ALIVE}{self.pi}", str(n), allow_overwrite=True)
+      except Exception:  # the coordinator is gone: the watch names it
+        return
+
+  def _counters(self) -> dict[int, str]:
+    return {int(k.rsplit("/", 1)[1]): v for k, v in self.client.key_value_dir_get(_ALIVE)}
+
+  def _silent(self) -> list[int] | None:
+    """Processes whose counter did not move over 3 beats; None if the store did not answer."""
+    result: list = []
+
+    def probe():
+      before = self._counters()
+      time.sleep(3 * _BEAT_S)
+      after = self._counters()
+      result.append(sorted(p for p in range(self.pc)
+                           if p != self.pi and before.get(p) == after.get(p)))
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(6 * _BEAT_S)
+    return result[0] if result else None
+
+  def _watch(self) -> None:
+    probed = 0.0  # when the others were last asked during a long save, eval or first step
+    while not self._stop.wait(0.5):
+      t = self.t
+      waited, limit = time.monotonic() - t, self.limit()
+      if waited > limit:
+        self._fire(waited, limit, self._who())
+      # A save, an evaluation or the first step may take long, but not because a peer stopped:
+      # past the steady limit, check the others every 10 s and stop once one is silent.
+      later = stall_limits(self.tc, self.longest)[1]
+      if self.client is not None and waited > later and time.monotonic() - probed > 10:
+        who = self._who()
+        probed = time.monotonic()
+        if who and self.t == t:
+          self._fire(time.monotonic() - t, later, who)
+
+  def _who(self) -> str | None:
+    """'process 1' (or 'processes 1, 3') that stopped answering; None if all answer or alone."""
+    if self.client is None:
+      return None
+    silent = self._silent()
+    if silent is None:
+      return "process 0, which runs the coordinator," if self.pi != 0 else None
+    if silent:
+      return "process" + ("es " if len(silent) > 1 else " ") + ", ".join(map(str, silent))
+    return None
+
+  def _fire(self, waited: float, limit: float, who: str | None) -> None:
+    import faulthandler
+    step, what = self.step, self.what
+    sys.stdout.flush()
+    print(f"jaxpar watchdog: process {self.pi} of {self.pc} made no progress for {waited:.0f} s "
+          f"at step {step}, waiting in: {what}; Python stacks of its threads follow",
+          file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    limit_text = f"the watchdog's limit of {limit:.0f} s"
+    if who:
+      text = (f"{who} {STALL_SENTENCE}: step {step} made no progress for {waited:.0f} s "
+              f"({limit_text}); stopping, the last complete checkpoint is kept: restart all "
+              f"processes to resume")
+    elif self.pc > 1:
+      text = (f"step {step} made no progress for {waited:.0f} s ({limit_text}) while every "
+              f"process still answers, waiting in: {what}; stopping, the last complete "
+              f"checkpoint is kept")
+    else:
+      text = (f"step {step} made no progress for {waited:.0f} s ({limit_text}), waiting in: "
+              f"{what}; stopping, the last complete checkpoint is kept (the stacks above show "
+              f"where it hangs)")
+    print(f"error: {text}", file=sys.stderr, flush=True)
+    os._exit(EXIT_FAILED)

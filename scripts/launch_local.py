@@ -109,13 +109,21 @@ class Prefixer:
     return text
 
 
-def _pump(stream, out, prefix: bytes, lock: threading.Lock) -> None:
-  """Copies `stream` to `out` as it arrives, every line and redrawn line prefixed."""
+# The sentence a process's watchdog ends with when others stopped answering (jaxpar.distributed).
+STALLED = re.compile(rb"error: (process(?:es)? [\d, ]+?)(?:, which runs the coordinator,)? "
+                     rb"stopped answering: (step \d+ made no progress for \d+ s)")
+
+
+def _pump(stream, out, prefix: bytes, lock: threading.Lock, seen=None) -> None:
+  """Copies `stream` to `out` as it arrives, every line and redrawn line prefixed; `seen(text)`
+  gets every piece passed on."""
   prefixer = Prefixer(prefix)
   while True:
     data = stream.read1(65536)  # whatever is there: a progress bar never ends its line
     text = prefixer.feed(data) if data else prefixer.close()
     if text:
+      if seen is not None:
+        seen(text)
       with lock:
         out.write(text)
         out.flush()
@@ -150,6 +158,7 @@ class Launcher:
     self.ended: dict[int, tuple[float, int]] = {}
     self.ended_lock = threading.Lock()  # not `lock`, which output holds while it writes
     self.interrupted = None
+    self.stalls: dict[int, tuple[str, str]] = {}  # rank -> (who stopped answering, how long)
 
   def say(self, text: str) -> None:
     with self.lock:
@@ -164,13 +173,19 @@ class Launcher:
                            env=child_env(rank, self.processes, self.devices, self.coordinator))
       self.procs.append(p)
       for stream, out in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer)):
-        t = threading.Thread(target=_pump, args=(stream, out, f"[{rank}] ".encode(), self.lock),
-                             daemon=True)
+        seen = (lambda text, rank=rank: self._seen(rank, text)) if stream is p.stderr else None
+        t = threading.Thread(target=_pump, args=(stream, out, f"[{rank}] ".encode(), self.lock,
+                                                 seen), daemon=True)
         t.start()
         self.threads.append(t)
       threading.Thread(target=self._watch, args=(rank, p), daemon=True).start()
     self.say("started " + ", ".join(f"process {r} as pid {p.pid}"
                                     for r, p in enumerate(self.procs)))
+
+  def _seen(self, rank: int, text: bytes) -> None:
+    m = STALLED.search(text)
+    if m:
+      self.stalls[rank] = (m[1].decode(), m[2].decode())
 
   def _watch(self, rank: int, p: subprocess.Popen) -> None:
     code = p.wait()
@@ -189,11 +204,26 @@ class Launcher:
       except ProcessLookupError:
         pass
 
+  def _stopped(self, rank: int) -> bool:
+    """Whether the process is stopped (SIGSTOP, a debugger): it cannot act on SIGTERM."""
+    try:
+      with open(f"/proc/{self.procs[rank].pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):  # gone already, or not Linux
+      return False
+
   def stop(self, ranks: list[int]) -> None:
-    """SIGTERM to `ranks`, SIGKILL to those still running after the grace period."""
+    """SIGTERM to `ranks`, SIGKILL to those still running after the grace period (at once to a
+    stopped one)."""
     if not ranks:
       return
-    self._signal(signal.SIGTERM, ranks)
+    frozen = [r for r in ranks if self._stopped(r)]
+    if frozen:
+      self.say(f"process{'es' if len(frozen) > 1 else ''} {', '.join(map(str, frozen))} "
+               f"{'are' if len(frozen) > 1 else 'is'} stopped (it cannot act on SIGTERM): "
+               f"sending SIGKILL")
+      self._signal(signal.SIGKILL, frozen)
+    self._signal(signal.SIGTERM, [r for r in ranks if r not in frozen])
     deadline = time.monotonic() + self.grace
     while time.monotonic() < deadline and set(ranks) & set(self.still_running()):
       time.sleep(0.05)
@@ -241,6 +271,14 @@ class Launcher:
       return 128 + signal.Signals[self.interrupted] if self.interrupted else 0
     rank, code = first
     status = code if code > 0 else 128 - code
+    if self.stalls:  # the first to exit is the one that noticed, not the one that stalled
+      who, how = self.stalls.get(rank) or next(iter(self.stalls.values()))
+      named_by = ", ".join(map(str, sorted(self.stalls)))
+      ended = "; ".join(f"process {r} ended with {describe(p.returncode)}"
+                        for r, p in enumerate(self.procs))
+      self.say(f"{who} stopped answering ({how}, said process{'es' if len(self.stalls) > 1 else ''} "
+               f"{named_by}); {ended}; exit code {status}")
+      return status
     others = "; ".join(f"process {r} ended with {describe(p.returncode)}"
                        for r, p in enumerate(self.procs) if r != rank)
     self.say(f"process {rank} failed first ({describe(code)})" + (f"; {others}" if others else "")

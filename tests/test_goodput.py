@@ -10,9 +10,11 @@ import pathlib
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
-from jaxpar import cli, config
+from jaxpar import cli, config, loop
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "scripts" / "train.py")
@@ -51,6 +53,8 @@ def test_the_cache_folder_comes_from_the_key_then_the_environment_then_the_user_
   own = config.load(None, ["train.compile_cache=/c"])
   assert cli.compile_cache_dir(own, {"JAX_COMPILATION_CACHE_DIR": "/j"}) == "/c"
   assert cli.compile_cache_dir(config.load(None, ["train.compile_cache=off"]), {}) is None
+  assert cli.compile_cache_dir(cfg, {"JAX_ENABLE_COMPILATION_CACHE": "false",
+                                    "JAX_COMPILATION_CACHE_DIR": "/j"}) is None
 
 
 def test_plan_then_train_compiles_the_step_once_and_another_topology_misses(tmp_path):
@@ -88,3 +92,208 @@ def test_a_cache_folder_that_cannot_be_made_is_one_sentence(tmp_path):
   assert r.stderr.strip().splitlines()[-1].startswith(
       f"error: train.compile_cache={blocker}/sub cannot be made"), r.stderr
   assert not (tmp_path / "wd").exists()
+
+
+# -- loss spikes ------------------------------------------------------------------------------------
+
+SPIKE = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.d_ff=64",
+         "model.seq_len=16", "train.batch_size=8", "data.source=synthetic", "train.log_every=1",
+         "train.lr=0.01", "train.warmup_steps=0", "train.min_lr_ratio=1.0", "data.workers=0"]
+BAD = (10, 11)  # data positions of the bad window: steps 11 and 12
+
+
+def batch(i: int) -> np.ndarray:
+  """Batch `i`: rows counting up through 32 tokens from their own offsets (quickly learnt), or
+  at a bad position random high tokens the model has learnt never to expect."""
+  if i < 0:
+    return np.full((8, 17), 128 + i % 128, np.int32)
+  rows = (np.arange(8)[:, None] * 5 + i * 3 + np.arange(17)[None, :]) % 32 + 64
+  return rows.astype(np.int32)
+
+
+class Scripted:
+  """A loader that serves batch(ids[position]); its state is the position."""
+
+  def __init__(self, ids):
+    self.ids, self.position = list(ids), 0
+    self.element_spec = {"tokens": ((8, 17), np.dtype(np.int32))}
+    self.steps_per_epoch = len(self.ids)
+
+  def next(self):
+    self.position += 1
+    return {"tokens": batch(self.ids[self.position - 1])}
+
+  def state(self):
+    return {"epoch": 0, "position": self.position}
+
+  def restore(self, state):
+    self.position = state["position"]
+
+  def close(self):
+    pass
+
+
+def scripted_run(monkeypatch, workdir, ids, steps, *overrides):
+  import jaxpar.data
+  loader = Scripted(ids)
+  monkeypatch.setattr(jaxpar.data, "make_loader", lambda *a, **k: loader)
+  logged = []
+  cfg = config.load(None, SPIKE + list(overrides))
+  result = loop.run(cfg, (8, 1, 1), str(workdir), None, steps=steps, progress=False,
+                    log=logged.append)
+  return result, logged, loader
+
+
+def test_a_loss_spike_rolls_back_and_trains_as_if_its_batches_were_never_there(tmp_path,
+                                                                                monkeypatch):
+  ids = [i if i not in BAD else -i for i in range(40)]
+  guard = ["train.spike_factor=1.5", "train.spike_steps=2", "train.spike_window=4"]
+  got, logged, loader = scripted_run(monkeypatch, tmp_path / "spiked", ids, 16, *guard)
+  line = [l for l in logged if l.startswith("loss spike")]
+  assert line == [l for l in line if "steps 11-12" in l and "rolled back to step 10 and skipped "
+                  "the batches of steps 11-12 (rollback 1 of at most 3)" in l] and len(line) == 1, logged
+  assert got.summary["rollbacks"] == 1 and got.summary["rollback_copy_bytes"] > 0
+  assert got.summary["time_s"]["rollback"] > 0  # two steps thrown away, a restore, the copies
+  assert loader.position == 18  # 16 steps trained, 2 batches skipped
+  from jaxpar import checkpoint
+  assert checkpoint.read_extra(str(tmp_path / "spiked" / "checkpoints"), 16)["data"] == {
+      "epoch": 0, "position": 18}  # a resume goes on after the window, not through it
+
+  clean = [i for i in ids if i >= 0]
+  ref, _, _ = scripted_run(monkeypatch, tmp_path / "clean", clean, 16)
+  assert sorted(got.losses) == sorted(ref.losses) == list(range(1, 17))
+  for step in ref.losses:
+    assert abs(got.losses[step] - ref.losses[step]) <= 1e-6 * abs(ref.losses[step]), step
+  for a, b in zip(jax.tree_util.tree_leaves(got.state["params"]),
+                  jax.tree_util.tree_leaves(ref.state["params"])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_spikes_beyond_max_rollbacks_stop_the_run_in_one_sentence(tmp_path, monkeypatch):
+  ids = [i if i not in BAD else -i for i in range(40)]
+  with pytest.raises(FloatingPointError, match=r"^loss spike at steps 11-12 \(loss .* after 0 "
+                     r"rollbacks, the most train.max_rollbacks=0 allows; stopping without saving"):
+    scripted_run(monkeypatch, tmp_path / "wd", ids, 16, "train.spike_factor=1.5",
+                 "train.spike_steps=2", "train.spike_window=4", "train.max_rollbacks=0")
+
+
+# -- goodput ----------------------------------------------------------------------------------------
+
+def test_the_summary_splits_the_wall_time_and_reports_goodput(tmp_path):
+  cfg = config.load(None, SPIKE + ["train.eval_every=2", "train.eval_steps=1", "checkpoint.every=2"])
+  metrics = tmp_path / "m.jsonl"
+  logged = []
+  result = loop.run(cfg, (8, 1, 1), str(tmp_path / "wd"), str(metrics), steps=4, progress=False,
+                    log=logged.append)
+  s = result.summary
+  parts = s["time_s"]
+  assert set(parts) == {"startup", "compile", "steps", "input_wait", "checkpoint", "eval",
+                        "rollback"}
+  assert all(v >= 0 for v in parts.values()), parts
+  assert parts["steps"] > 0 and parts["eval"] > 0 and parts["checkpoint"] > 0
+  assert parts["compile"] == s["compile_s"] and s["compile_cache"] in ("hit", "miss")
+  # Every part is timed on its own; only the summary's own arithmetic is outside them.
+  assert abs(sum(parts.values()) - s["wall_s"]) <= 0.05 * s["wall_s"] + 0.2, (parts, s["wall_s"])
+  assert s["goodput"] == pytest.approx(parts["steps"] / s["wall_s"])
+  final = records(metrics)[-1]
+  assert final["final"] and final["time_s"] == pytest.approx(parts) and final["goodput"] == s["goodput"]
+  line = [l for l in logged[-1].splitlines() if l.startswith("time: wall ")]
+  assert len(line) == 1 and f"compile {parts['compile']:.3g} (cache {s['compile_cache']})" in line[0]
+  assert line[0].endswith(f"goodput {100 * s['goodput']:.1f}%")
+
+
+# -- a stalled step ---------------------------------------------------------------------------------
+
+HANG = """
+import runpy, sys, threading
+import jaxpar.data
+real = jaxpar.data.make_loader
+
+def make_loader(*args, **kwargs):
+  loader, calls = real(*args, **kwargs), [0]
+  next_batch = loader.next
+  def next():
+    calls[0] += 1
+    if calls[0] == 3:  # the batch of step 3 never comes
+      threading.Event().wait()
+    return next_batch()
+  loader.next = next
+  return loader
+
+jaxpar.data.make_loader = make_loader
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_single_process_whose_step_hangs_dumps_its_stacks_and_exits_in_one_sentence(tmp_path):
+  r = run(["-c", HANG, TRAIN, "--mesh", "1x1x1", "--workdir", str(tmp_path / "wd"),
+           "--no-progress", "--set", *TINY, "train.steps=10", "train.stall_timeout=2"])
+  assert r.returncode == 1, r.stderr
+  err = r.stderr.strip().splitlines()
+  assert "process 0 of 1 made no progress for" in r.stderr
+  assert "at step 3, waiting in: reading the batch of step 3" in r.stderr
+  assert "in next" in r.stderr  # the stack of the main thread, down to the loader
+  assert err[-1].startswith("error: step 3 made no progress for "), err[-1]
+  assert "(the watchdog's limit of 2 s), waiting in: reading the batch of step 3" in err[-1]
+
+
+LAUNCH = str(ROOT / "scripts" / "launch_local.py")
+
+
+def test_a_stopped_peer_is_named_by_the_others_and_the_launcher_and_the_run_resumes(tmp_path):
+  import re
+  import signal
+  import time
+  metrics, out_file, err_file = tmp_path / "m.jsonl", tmp_path / "out", tmp_path / "err"
+  cmd = [sys.executable, LAUNCH, "--processes", "2", "--", TRAIN, "--mesh", "2x1x1",
+         "--workdir", str(tmp_path / "wd"), "--metrics-file", str(metrics), "--no-progress",
+         "--set", *TINY, "train.steps=12", "checkpoint.every=2", "train.stall_timeout=6",
+         "train.warmup_steps=0"]
+  with open(out_file, "w") as out, open(err_file, "w") as err:
+    p = subprocess.Popen(cmd, stdout=out, stderr=err, env=child_env(), cwd=ROOT)
+  try:
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and p.poll() is None:
+      complete = [d for d in (tmp_path / "wd" / "checkpoints").glob("*") if d.name.isdigit()]
+      if complete and metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+        break  # stopped mid-run, with a checkpoint to resume
+      time.sleep(0.01)
+    assert p.poll() is None, err_file.read_text()
+    pid = re.search(r"process 1 as pid (\d+)", err_file.read_text())
+    os.kill(int(pid[1]), signal.SIGSTOP)
+    t0 = time.monotonic()
+    p.wait(timeout=120)
+    elapsed = time.monotonic() - t0
+  finally:
+    if p.poll() is None:
+      p.kill()
+  err = err_file.read_text()
+  # The limit (6 s), the probe of who still answers (3 s), and start-up noise on a busy machine.
+  assert p.returncode == 1 and elapsed < 40, (elapsed, err)
+  assert "[0] jaxpar watchdog: process 0 of 2 made no progress for" in err
+  rank0 = [l for l in err.splitlines() if l.startswith("[0] error:")]
+  assert len(rank0) == 1 and "error: process 1 stopped answering: step " in rank0[0], err
+  launcher = [l for l in err.splitlines() if l.startswith("[launcher] process 1 stopped answering")]
+  assert len(launcher) == 1 and "said process 0" in launcher[0], err
+  assert "process 1 ended with signal SIGKILL" in launcher[0], err
+
+  r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=child_env(), cwd=ROOT)
+  assert r.returncode == 0, r.stderr
+  assert re.search(r"\[0\] resuming from the checkpoint at step \d+ ", r.stdout), r.stdout
+  assert "[0] steps: 12" in r.stdout
+
+
+def test_the_new_keys_are_checked_and_the_watchdog_limits_default_as_documented():
+  from jaxpar import distributed
+  for bad, message in (("train.spike_factor=0.5", "must be 0 .* or above 1"),
+                       ("train.spike_steps=0", "must be positive"),
+                       ("train.stall_timeout=-1", "must not be negative")):
+    with pytest.raises(config.ConfigError, match=message):
+      config.load(None, [bad])
+  tc = config.load(None, []).train
+  assert tc.spike_factor == 0  # the guard is off unless asked for
+  assert distributed.stall_limits(tc, None) == (900.0, 60.0)
+  assert distributed.stall_limits(tc, 9.0) == (900.0, 90.0)
+  tc = config.load(None, ["train.stall_timeout=5", "train.first_step_timeout=50"]).train
+  assert distributed.stall_limits(tc, 9.0) == (50.0, 5.0)
