@@ -1,13 +1,15 @@
-"""The optax chain: global-norm clipping, AdamW with warmup + cosine decay, no decay on norms/biases."""
+"""The optax chain: global-norm clipping, AdamW with warmup + cosine decay, no decay on norms/biases;
+frozen parameters (no update, no state) around it or around a user's own transformation."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpar.config import TrainConfig
+from jaxpar import rules
+from jaxpar.config import ConfigError, TrainConfig
 
 
 def schedule(tc: TrainConfig) -> optax.Schedule:
@@ -29,14 +31,60 @@ def decay_mask(logical: Any) -> Any:
                                 is_leaf=lambda x: isinstance(x, tuple))
 
 
-def make(tc: TrainConfig, logical: Any) -> optax.GradientTransformation:
-  """clip_by_global_norm -> AdamW(schedule, b1, b2, weight_decay masked by `decay_mask(logical)`)."""
+def select(selection: Callable[[str], bool] | Any | None, abstract: Any, what: str) -> Any | None:
+  """A tree of bools like `abstract` from `selection`: a predicate on each parameter's path
+  ('emb/embedding', as rules.path_str writes it) or a tree of bools of the parameters' structure.
+  None stays None."""
+  if selection is None:
+    return None
+  if callable(selection):
+    return jax.tree_util.tree_map_with_path(lambda path, _: bool(selection(rules.path_str(path))),
+                                            abstract)
+  want, got = jax.tree_util.tree_structure(abstract), jax.tree_util.tree_structure(selection)
+  if want != got:
+    raise ConfigError(f"{what} is a tree of {got.num_leaves} leaves that is not the parameters' "
+                      f"tree ({want.num_leaves} leaves); pass one bool per parameter or a "
+                      f"predicate on the parameter's path such as lambda path: path.startswith('emb')")
+  return jax.tree_util.tree_map(bool, selection)
+
+
+def make(tc: TrainConfig, logical: Any, frozen: Any | None = None,
+         decay: Any | None = None) -> optax.GradientTransformation:
+  """clip_by_global_norm -> AdamW(schedule, b1, b2, weight_decay masked by `decay`, by default
+  `decay_mask(logical)`), the `frozen` parameters (a tree of bools) left out (`with_frozen`)."""
   parts = []
   if tc.clip_norm > 0:
     parts.append(optax.clip_by_global_norm(tc.clip_norm))
   parts.append(optax.adamw(schedule(tc), b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay,
-                           mask=decay_mask(logical)))
-  return optax.chain(*parts)
+                           mask=decay_mask(logical) if decay is None else decay))
+  return with_frozen(optax.chain(*parts), frozen)
+
+
+def with_frozen(tx: optax.GradientTransformation, frozen: Any | None) -> optax.GradientTransformation:
+  """`tx` over the parameters not `frozen` (a tree of bools); the frozen ones get a zero update.
+
+  multi_transform hands `tx` the trainable parameters only (the frozen ones are MaskedNodes,
+  empty subtrees), so `tx` holds no state for them and its clipping norm and weight decay never
+  see them.
+  """
+  if frozen is None or not any(jax.tree_util.tree_leaves(frozen)):
+    return tx
+  labels = jax.tree_util.tree_map(lambda f: "frozen" if f else "trainable", frozen)
+  return optax.multi_transform({"trainable": tx, "frozen": optax.set_to_zero()}, labels)
+
+
+_INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+
+
+def learning_rate(opt_state: Any) -> jax.Array | None:
+  """The first `learning_rate` hyperparameter of an `optax.inject_hyperparams` state found in
+  `opt_state` (also inside chains, multi_transform and masked), in tree order; None if there is
+  none. The state after an update holds the rate that update applied."""
+  is_injected = lambda x: isinstance(x, _INJECTED)
+  for node in jax.tree_util.tree_leaves(opt_state, is_leaf=is_injected):
+    if is_injected(node) and "learning_rate" in node.hyperparams:
+      return node.hyperparams["learning_rate"]
+  return None
 
 
 def keep_unless(ok: jax.Array, new: Any, old: Any) -> Any:

@@ -84,7 +84,15 @@ def _unweighted(loss, aux, grads, accum: int, manual: frozenset):
 class Trainer:
   """Shardings, init and step for one model on one mesh under one config."""
 
-  def __init__(self, cfg: Config, mesh, model: ModelDef, expose_grads: bool = False):
+  def __init__(self, cfg: Config, mesh, model: ModelDef, expose_grads: bool = False,
+               tx: optax.GradientTransformation | None = None, frozen: Any = None,
+               decay_mask: Any = None):
+    """`tx`: an optax transformation of your own in place of the config's AdamW (the config's
+    train.lr, warmup, clipping and weight decay then play no part). `frozen`: the parameters that
+    never change, a predicate on the path ('emb/embedding') or a tree of bools; they hold no
+    optimizer state and count in neither the clipping norm nor the logged grad_norm.
+    `decay_mask`: which parameters the config's AdamW decays (same forms), instead of the
+    matrices read off the logical axes."""
     # parameters are stored in precision.param_dtype whatever dtype the model creates them in
     model = jmodel.stored_as(model, precision.param_dtype(cfg.precision))
     self.cfg, self.mesh, self.model = cfg, mesh, model
@@ -95,8 +103,21 @@ class Trainer:
     # activations: sequence parallel also splits `seq` over `model` outside attention and MLP
     self.rules = rules.rules_for(cfg.parallel.sequence_parallel)
     self.layout = zero.layout(model.abstract, self.specs, model.logical, mesh, pc.zero_stage)
-    self.tx = optim.make(cfg.train, model.logical)
-    self.lr_schedule = optim.schedule(cfg.train)
+    self.frozen = optim.select(frozen, model.abstract, "frozen")
+    if tx is None:
+      self.tx = optim.make(cfg.train, model.logical, self.frozen,
+                           optim.select(decay_mask, model.abstract, "decay_mask"))
+      self.lr_schedule = optim.schedule(cfg.train)
+    else:
+      if decay_mask is not None:
+        raise ConfigError("decay_mask chooses what the config's AdamW decays and tx replaces it; "
+                          "give your own transformation its mask, e.g. optax.adamw(lr, mask=...)")
+      self.tx = optim.with_frozen(tx, self.frozen)
+      self.lr_schedule = None  # the logged rate is tx's own injected hyperparameter, if any
+    if pc.offload_optimizer and (tx is not None or self.frozen is not None):
+      raise ConfigError("parallel.offload_optimizer updates the config's AdamW one parameter at a "
+                        "time and cannot take a tx of your own or frozen parameters; set "
+                        "parallel.offload_optimizer=false")
     n_stages = mesh.shape[PIPE]
     self.schedule = None
     if n_stages > 1:
@@ -141,12 +162,35 @@ class Trainer:
 
   def init_with(self, params: Any) -> dict:
     """A new train state (step 0, fresh optimizer) around given parameters in the model's own
-    layer order, e.g. imported ones; `params` already carry the parameter shardings."""
+    layer order, e.g. imported ones: numpy arrays or jax arrays of any sharding, the model's tree
+    and shapes. They are placed onto `state_shardings['params']` here; jax arrays already placed
+    so are donated to the new state."""
+    self._check_params(params)
+    params = jax.device_put(params, self.state_shardings["params"])
+
     def init_fn(params):
       params = self._in_stage_order(jmodel.cast(params, precision.param_dtype(self.cfg.precision)))
       return self._new_state(params)
     with jax.set_mesh(self.mesh):
       return jax.jit(init_fn, out_shardings=self.state_shardings, donate_argnums=0)(params)
+
+  def _check_params(self, params: Any) -> None:
+    """One sentence naming the first parameter that the model lacks, misses or shapes otherwise."""
+    got = {rules.path_str(p): np.shape(x) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    want = {rules.path_str(p): tuple(a.shape)
+            for p, a in jax.tree_util.tree_leaves_with_path(self.model.abstract)}
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or extra:
+      raise ConfigError("the parameters are not the model's tree: "
+                        + "; ".join(f"{what} {', '.join(names[:3])}" + (" ..." if len(names) > 3 else "")
+                                    for what, names in (("missing", missing), ("not in the model", extra))
+                                    if names))
+    for name, shape in want.items():
+      if tuple(got[name]) != shape:
+        raise ConfigError(f"parameter {name} has shape {tuple(got[name])}, the model's is {shape}")
+    if jax.tree_util.tree_structure(params) != jax.tree_util.tree_structure(self.model.abstract):
+      raise ConfigError(f"the parameters have the model's paths in another container type: "
+                        f"{jax.tree_util.tree_structure(params)}; pass the model's tree (nested dicts)")
 
   def _new_state(self, params: Any) -> dict:
     """Step 0 and a fresh optimizer (and loss scale) around `params` (inside a jit)."""
@@ -337,6 +381,9 @@ class Trainer:
     vma = sched is None
 
     def local(params, batch):
+      if self.frozen is not None:  # no backward into frozen parameters (nor ZeRO-3 reduce-scatter)
+        params = jax.tree_util.tree_map(lambda x, f: jax.lax.stop_gradient(x) if f else x,
+                                        params, self.frozen)
       if data_sharded and vma:  # differentiate a per-shard copy: the reduction below is then the
         # only one, in float32 (zero.in_float32). At stage 3 that is the leaves too small to
         # shard; the others are summed by the transpose of their all-gathers.
@@ -392,23 +439,36 @@ class Trainer:
     """One optimizer step on one global batch. Pure; `compiled_step` jits it."""
     dyn = state.get("loss_scale")  # the dynamic loss scale's state, or None
     loss, aux, grads = self._grads(state["params"], batch, None if dyn is None else dyn["scale"])
+    if self.frozen is not None:  # the pipeline's own vjp gives them gradients: not counted
+      grads = jax.tree_util.tree_map(lambda g, f: jnp.zeros_like(g) if f else g, grads, self.frozen)
     grads = jax.lax.with_sharding_constraint(grads, zero.named(self.mesh, self.layout.grads))
     opt = state["opt"]
     grad_norm = optax.tree.norm(grads)
     # an overflow under dynamic scaling is skipped like train.skip_nonfinite's non-finite steps
     skips = self.cfg.train.skip_nonfinite or dyn is not None
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) if skips else None
+    rate = None  # the learning rate this step applies, where the transformation says
     if self.cfg.parallel.offload_optimizer:
       params, new_opt = self._offloaded_update(grads, opt, state["params"], ok)
     else:
       updates, new_opt = self.tx.update(grads, opt, state["params"])
       params = optax.apply_updates(state["params"], updates)
+      if self.lr_schedule is None:  # read before a skipped step puts the old state back
+        rate = optim.learning_rate(new_opt)
       if ok is not None:
         new_opt = optim.keep_unless(ok, new_opt, opt)
+    if self.frozen is not None:  # bit-identical: p + 0 would turn -0.0 into +0.0
+      params = jax.tree_util.tree_map(lambda new, old, f: old if f else new, params,
+                                      state["params"], self.frozen)
     # The schedule's count moves with the step, skipped steps included (optim.keep_unless), so
-    # this is the rate the update above applied.
-    metrics = {"loss": loss, "grad_norm": grad_norm,
-               "learning_rate": self.lr_schedule(state["step"]), **aux}
+    # this is the rate the update above applied. A tx of one's own reports the rate it injects
+    # (optax.inject_hyperparams), else NaN, which the metrics file writes as null: the config's
+    # schedule is not what it applies.
+    if self.lr_schedule is not None:
+      rate = self.lr_schedule(state["step"])
+    elif rate is None:
+      rate = jnp.float32(jnp.nan)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": rate, **aux}
     if self.expose_grads:
       metrics["grads"] = grads
     if ok is not None:  # keep the old state; the loop counts the skipped steps

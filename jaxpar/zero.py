@@ -92,20 +92,35 @@ def opt_state_specs(opt_abstract: Any, params_abstract: Any, param_opt_specs: An
   """Specs for an optax state: leaves shaped like a parameter follow it, the rest replicate.
 
   optax states hold per-parameter trees (mu, nu) beside scalars (count); matching by tree
-  structure keeps this independent of which optax transformations are chained.
+  structure keeps this independent of which optax transformations are chained. A per-parameter
+  tree may leave parameters out as empty subtrees (optax.masked's and multi_transform's
+  MaskedNode): those hold nothing, and the others still follow their parameters. A leaf whose
+  shape is not its parameter's (a factored moment) replicates.
   """
   params_def = jax.tree_util.tree_structure(params_abstract)
+  shapes = [tuple(a.shape) for a in jax.tree_util.tree_leaves(params_abstract)]
   param_specs = jax.tree_util.tree_leaves(param_opt_specs, is_leaf=lambda x: isinstance(x, P))
+  empty = lambda sub: not jax.tree_util.tree_leaves(sub)
 
-  def is_param_tree(x):
-    return jax.tree_util.tree_structure(x) == params_def and params_def.num_leaves > 0
+  def parts(x):  # x's subtree at each parameter's place, or None when x is no per-parameter tree
+    if params_def.num_leaves == 0 or jax.tree_util.treedef_is_leaf(params_def):
+      return None
+    try:
+      subs = params_def.flatten_up_to(x)
+    except (ValueError, TypeError):
+      return None
+    ok = all(empty(sub) or hasattr(sub, "shape") for sub in subs) and not all(map(empty, subs))
+    return subs if ok else None
 
   def one(x):
-    if is_param_tree(x):
-      return jax.tree_util.tree_unflatten(params_def, param_specs)
-    return jax.tree_util.tree_map(lambda _: P(), x)
+    subs = parts(x)
+    if subs is None:
+      return jax.tree_util.tree_map(lambda _: P(), x)
+    return params_def.unflatten([
+        sub if empty(sub) else spec if tuple(sub.shape) == shape else P()
+        for sub, spec, shape in zip(subs, param_specs, shapes)])
 
-  return jax.tree_util.tree_map(one, opt_abstract, is_leaf=is_param_tree)
+  return jax.tree_util.tree_map(one, opt_abstract, is_leaf=lambda x: parts(x) is not None)
 
 
 def named(mesh, specs: Any, memory_kind: str | None = None) -> Any:
