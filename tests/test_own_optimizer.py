@@ -201,3 +201,14 @@ def test_init_with_a_wrong_tree_is_one_sentence():
                                                r"head/kernel; not in the model lm_head/kernel$"):
     t.init_with({**{k: v for k, v in params.items() if k != "head"}, "lm_head": params["head"]})
 
+
+def test_readme_example_runs():
+  # test_readme.py runs the nnx and linen examples; this one is run here, as written
+  import pathlib, re
+  text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+  code = re.search(r"<!-- example: own-optimizer -->\s*```python\n(.*?)```", text, re.S).group(1)
+  scope = {}
+  exec(compile(code, "README:own-optimizer", "exec"), scope)
+  assert scope["losses"][-1] < 0.5 * scope["losses"][0]
+  assert float(scope["metrics"]["learning_rate"]) == pytest.approx(
+      float(optax.cosine_decay_schedule(1e-2, 40)(39)), rel=1e-5)
