@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -54,8 +56,27 @@ CACHE_OFF = "off"
 ENV_COMPILE_CACHE = "JAXPAR_COMPILE_CACHE"  # the default of train.compile_cache
 
 
+_ACCELERATOR_PLUGIN = re.compile(r"jax[-_](cuda|rocm)\d*[-_](plugin|pjrt)|libtpu.*", re.IGNORECASE)
+
+
+def _cpu_only(environ) -> bool:
+  """Whether JAX will run on the CPU, judged without starting a backend (that must wait for
+  jax.distributed): JAX_PLATFORMS names cpu first, or no accelerator plugin is installed."""
+  platforms = environ.get("JAX_PLATFORMS", "").strip()
+  if platforms:
+    return platforms.split(",")[0].strip().lower() == "cpu"
+  return not any(_ACCELERATOR_PLUGIN.fullmatch(d.metadata["Name"] or "")
+                 for d in importlib.metadata.distributions())
+
+
 def compile_cache_dir(cfg: jconfig.Config, environ=None) -> str | None:
-  """The folder of the persistent compilation cache train.compile_cache asks for; None when off."""
+  """The folder of the persistent compilation cache train.compile_cache asks for; None when off.
+
+  The default is on for accelerators and off on the CPU: XLA:CPU's reload of a cached executable
+  is not sound for every program (with JAX 0.10.2 a circular-schedule ZeRO-3 step loaded from the
+  cache crashed the process with a segfault or heap corruption, where compiling it afresh ran),
+  so there a cache is used only when a folder is named (the key, JAX_COMPILATION_CACHE_DIR or
+  JAXPAR_COMPILE_CACHE)."""
   environ = os.environ if environ is None else environ
   value = cfg.train.compile_cache
   if value == CACHE_OFF:
@@ -69,6 +90,8 @@ def compile_cache_dir(cfg: jconfig.Config, environ=None) -> str | None:
   if environ.get(ENV_COMPILE_CACHE):  # a site-wide default, e.g. a shared filesystem's folder
     value = environ[ENV_COMPILE_CACHE]
     return None if value == CACHE_OFF else os.path.abspath(os.path.expanduser(value))
+  if _cpu_only(environ):
+    return None
   base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
   return os.path.join(base, "jaxpar", "xla")
 

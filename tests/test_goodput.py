@@ -44,9 +44,14 @@ def records(path):
 
 def test_the_cache_folder_comes_from_the_key_then_the_environment_then_the_user_cache():
   cfg = config.load(None, [])
-  assert cli.compile_cache_dir(cfg, {"HOME": "/h"}) == os.path.join(
+  gpu = {"JAX_PLATFORMS": "cuda"}
+  assert cli.compile_cache_dir(cfg, {**gpu, "HOME": "/h"}) == os.path.join(
       os.path.expanduser("~"), ".cache", "jaxpar", "xla")
-  assert cli.compile_cache_dir(cfg, {"XDG_CACHE_HOME": "/x"}) == "/x/jaxpar/xla"
+  assert cli.compile_cache_dir(cfg, {**gpu, "XDG_CACHE_HOME": "/x"}) == "/x/jaxpar/xla"
+  # On the CPU the default is off (XLA:CPU's reload of a cached executable is not sound for
+  # every program); a named folder is used there too.
+  assert cli.compile_cache_dir(cfg, {"JAX_PLATFORMS": "cpu", "XDG_CACHE_HOME": "/x"}) is None
+  assert cli.compile_cache_dir(cfg, {"JAX_PLATFORMS": "cpu", "JAXPAR_COMPILE_CACHE": "/p"}) == "/p"
   assert cli.compile_cache_dir(cfg, {"JAX_COMPILATION_CACHE_DIR": "/j"}) == "/j"
   assert cli.compile_cache_dir(cfg, {"JAXPAR_COMPILE_CACHE": "/p", "XDG_CACHE_HOME": "/x"}) == "/p"
   assert cli.compile_cache_dir(cfg, {"JAXPAR_COMPILE_CACHE": "off"}) is None
