@@ -1,0 +1,140 @@
+"""Time to first step and compile time: a cold start, a restart, and a new run of the same layout.
+
+python benchmarks/startup.py [--only default|gpt_medium] [--out FILE]
+Writes benchmarks/results/startup.json by default (git-ignored; the committed figures are in
+benchmarks/reference/startup.json).
+
+Each case runs scripts/train.py three times as subprocesses, all with one fresh compilation cache
+folder (train.compile_cache) that nothing else uses:
+  cold     an empty cache and a new workdir: every program is compiled;
+  restart  the same command again in the same workdir: it resumes the checkpoint the cold run
+           saved when it was stopped, with the cache the cold run filled;
+  new_run  the same command in another workdir: a new run of the same layout, same cache.
+Each run is stopped by SIGTERM once its first metrics row is written (it saves a checkpoint and
+exits 0, as a preempted job does). Time to first step is wall seconds from starting the process
+to that row (Python and JAX start-up, data, state, compile and one step); compile time is the
+step's compile as the run reports it (`compile_s`), and `first_step_s` the first step's own
+time, which no cache removes. The child's CPU seconds are recorded beside
+the wall ones: on a shared machine other processes stretch wall time, far less CPU time. The
+three runs use one command, so one compiled program: `--steps` and train.steps are compiled
+into the learning-rate schedule, and a restart with another value compiles again.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the helpers beside this file
+import _jaxpar_bench  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "scripts", "train.py")
+DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "startup.json")
+# name -> (mesh, train.py arguments). gpt_medium's global batch is cut from 64 to 8 sequences
+# (one per data shard): the compiled program is the config's own layout, and a step on this CPU
+# takes seconds instead of a minute.
+CASES = {
+    "default": ("2x4x1", ["--set", "parallel.zero_stage=3", "data.source=synthetic"]),
+    "gpt_medium": ("8x1x1", ["--config", os.path.join(ROOT, "configs", "gpt_medium.yaml"),
+                             "--set", "data.source=synthetic", "train.batch_size=8"]),
+}
+STEPS = 20  # never reached: each run is stopped after its first step
+
+
+def child_env() -> dict:
+  """No inherited device count, cache or cluster: each run is what a user's first command is."""
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("JAXPAR_", "JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE",
+                              "SLURM_", "OMPI_", "PMI_"))}
+  env.pop("XLA_FLAGS", None)
+  env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+  return env
+
+
+def one_run(mesh: str, args: list[str], workdir: str, cache: str, metrics: str) -> dict:
+  """Starts train.py, waits for its first metrics row, stops it with SIGTERM; the figures."""
+  if os.path.exists(metrics):
+    os.remove(metrics)
+  cmd = [sys.executable, TRAIN, "--mesh", mesh, "--steps", str(STEPS), "--workdir", workdir,
+         "--metrics-file", metrics, "--no-progress", *args, f"train.compile_cache={cache}",
+         "train.log_every=1"]
+  before = resource.getrusage(resource.RUSAGE_CHILDREN)
+  t0 = time.perf_counter()
+  p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       env=child_env(), cwd=ROOT)
+  first = None
+  while p.poll() is None:
+    if os.path.exists(metrics):
+      with open(metrics) as f:
+        line = f.readline()
+      if line.endswith("\n"):
+        first, t_first = json.loads(line), time.perf_counter() - t0
+        break
+    time.sleep(0.01)
+  if p.poll() is None:
+    p.send_signal(signal.SIGTERM)
+  out, _ = p.communicate(timeout=1200)
+  after = resource.getrusage(resource.RUSAGE_CHILDREN)
+  if first is None or p.returncode != 0:
+    raise SystemExit(f"train.py failed (exit {p.returncode}):\n{out[-3000:]}")
+  return {"time_to_first_step_s": round(t_first, 3), "compile_s": round(first["compile_s"], 3),
+          # the first interval's time: the first step's own computation (and the first
+          # collectives), which no cache removes
+          "first_step_s": round(first["step_time_s"], 3),
+          "compile_cache": first["compile_cache"], "first_step": first["step"],
+          "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 3),
+          "total_wall_s": round(time.perf_counter() - t0, 3)}
+
+
+def folder_bytes(path: str) -> tuple[int, int]:
+  files = [os.path.join(d, n) for d, _, names in os.walk(path) for n in names]
+  return len(files), sum(os.path.getsize(f) for f in files)
+
+
+def case(name: str) -> dict:
+  mesh, args = CASES[name]
+  tmp = tempfile.mkdtemp(prefix=f"jaxpar-startup-{name}-")
+  try:
+    cache = os.path.join(tmp, "cache")
+    rows = {}
+    rows["cold"] = one_run(mesh, args, os.path.join(tmp, "wd"), cache, os.path.join(tmp, "m"))
+    entries, size = folder_bytes(cache)
+    rows["restart"] = one_run(mesh, args, os.path.join(tmp, "wd"), cache, os.path.join(tmp, "m"))
+    rows["new_run"] = one_run(mesh, args, os.path.join(tmp, "wd2"), cache, os.path.join(tmp, "m"))
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+  cold = rows["cold"]
+  ratios = {f"{run}_{key}_vs_cold": round(rows[run][key] / cold[key], 3)
+            for run in ("restart", "new_run") for key in ("compile_s", "time_to_first_step_s")}
+  return {"mesh": mesh, "args": args, "runs": rows, "ratios": ratios,
+          "cache_entries": entries, "cache_bytes": size}
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--only", choices=sorted(CASES), action="append",
+                 help="run only this case (repeatable)")
+  p.add_argument("--out", default=DEFAULT_OUT, help="JSON results file")
+  args = p.parse_args(argv)
+  import jax
+  result = {"host_cpu": _jaxpar_bench.host_cpu(), "jax": jax.__version__,
+            "load_average_at_start": os.getloadavg(), "cases": {}}
+  for name in args.only or list(CASES):
+    result["cases"][name] = case(name)
+    print(json.dumps({name: result["cases"][name]["ratios"]}), flush=True)
+  result["load_average_at_end"] = os.getloadavg()
+  _jaxpar_bench.write_json(result, args.out)
+  print(f"wrote {args.out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
