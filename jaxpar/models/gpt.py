@@ -21,7 +21,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import ModelConfig
-from jaxpar.models import decoder, kvcache
+from jaxpar.models import blockwise, decoder, kvcache
 from jaxpar.rules import constrain, is_split
 
 
@@ -134,17 +134,30 @@ def _attention_matmuls(q, k, v) -> jax.Array:
   return o.reshape(B, G, R, T, K).transpose(0, 3, 1, 2, 4).reshape(B, T, H, K)
 
 
+# From this sequence length on, attention without cuDNN runs block by block (models/blockwise.py):
+# its temporaries grow as T, not T^2. One layer's forward + backward on this 2-core CPU (fp32,
+# 4 heads of 32, process CPU ms, least of 8), matmul form vs blockwise: T 128 batch 16 (the main
+# job) 9.1 vs 11.5; T 256 batch 2 5.3 vs 5.9, batch 8 22.5 vs 16.4 (mixed); T 512 batch 2 21.6 vs
+# 12.8, batch 8 144 vs 52; T 2048 batch 2 610 vs 168.
+BLOCKWISE_MIN_SEQ = 512
+
+
 def attention(q, k, v) -> jax.Array:
   """Causal attention. q (B, T, H, K), k and v (B, T, G, K) -> (B, T, H, K) in q's dtype.
 
-  On GPU, cuDNN's fused kernel where `attention_implementation` finds it usable, else XLA's. On
-  CPU, `_attention_matmuls`; XLA:CPU has no half-precision matmul with a float32 accumulator, so
-  there float16 and bfloat16 attention runs in float32 and is cast back.
+  On GPU, cuDNN's fused kernel where `attention_implementation` finds it usable. Otherwise
+  `blockwise.attention` from T = BLOCKWISE_MIN_SEQ on, and below it `_attention_matmuls` on CPU,
+  XLA's jax.nn.dot_product_attention elsewhere. XLA:CPU has no half-precision matmul with a
+  float32 accumulator, so there float16 and bfloat16 attention runs in float32 and is cast back.
   """
+  long = q.shape[1] >= BLOCKWISE_MIN_SEQ
   if jax.default_backend() == "cpu":
     f32 = lambda t: t.astype(jnp.float32)
-    return _attention_matmuls(f32(q), f32(k), f32(v)).astype(q.dtype)
+    form = blockwise.attention if long else _attention_matmuls
+    return form(f32(q), f32(k), f32(v)).astype(q.dtype)
   impl, _ = attention_implementation(tuple(q.shape), tuple(k.shape), jnp.dtype(q.dtype).name)
+  if impl == "xla" and long:
+    return blockwise.attention(q, k, v)
   return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
 
 
