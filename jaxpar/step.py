@@ -163,16 +163,18 @@ class Trainer:
   def init_with(self, params: Any) -> dict:
     """A new train state (step 0, fresh optimizer) around given parameters in the model's own
     layer order, e.g. imported ones: numpy arrays or jax arrays of any sharding, the model's tree
-    and shapes. They are placed onto `state_shardings['params']` here; jax arrays already placed
-    so are donated to the new state."""
+    and shapes. They are placed onto `state_shardings['params']` here; jax arrays (once placed)
+    are donated to the new state, numpy arrays are left as they are."""
     self._check_params(params)
+    # A numpy array put on a CPU device may share its memory, which a donation would overwrite.
+    donate = (0,) if all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(params)) else ()
     params = jax.device_put(params, self.state_shardings["params"])
 
     def init_fn(params):
       params = self._in_stage_order(jmodel.cast(params, precision.param_dtype(self.cfg.precision)))
       return self._new_state(params)
     with jax.set_mesh(self.mesh):
-      return jax.jit(init_fn, out_shardings=self.state_shardings, donate_argnums=0)(params)
+      return jax.jit(init_fn, out_shardings=self.state_shardings, donate_argnums=donate)(params)
 
   def _check_params(self, params: Any) -> None:
     """One sentence naming the first parameter that the model lacks, misses or shapes otherwise."""
