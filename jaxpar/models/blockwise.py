@@ -14,12 +14,14 @@ a mesh axis and folds each into the query block it holds:
   heads that share a kv head sit together; `grouped_q` and `grouped_kv` make it). Positions are
   absolute token indices; `q_start`/`k_start` are the first query's/key's (ints or traced
   scalars); a query at position p sees the keys at positions <= p.
-- `init_state(q, k, v)` -> `State(acc, m, l)`: acc (B, G, R, bq, K) float32, the unnormalised output
-  sum_j exp(s_j - m) v_j; m (B, G, R, bq) the row max of the scores folded so far (-inf before
-  any); l (B, G, R, bq) the row sum of exp(s_j - m).
-- `fold(state, q, k, v, q_start, k_start, scale)` -> State with one kv block folded in. Blocks
-  may be folded in any order (the same sums, different rounding); a pair for which
-  `visible(q_start, bq, k_start)` is false changes nothing and may be skipped.
+- `init_state(q, k, v)` -> `State(acc, m, l)`: acc (B, G, R, bq, K) float32, the unnormalised
+  output sum_j exp(s_j - m) v_j; m (B, G, R, bq) the row max of the scores folded so far (-inf
+  before any); l (B, G, R, bq) the row sum of exp(s_j - m). k and v only lend their type: under
+  shard_map the state varies over every manual axis its inputs vary over, as a loop carry must.
+- `fold(state, q, k, v, q_start, k_start, scale)` -> State with one kv block folded in; the
+  scores are scale * q k^T (scale 1/sqrt(K)). Blocks may be folded in any order (the same sums,
+  different rounding); a pair for which `visible(q_start, bq, k_start)` is false changes nothing
+  and may be skipped (in a ring, under lax.cond).
 - `finish(state)` -> (out (B, G, R, bq, K) float32, lse (B, G, R, bq)): out = acc / l and
   lse = m + log l, the row's logsumexp (+inf for a row that saw no key, so the backward's
   exp(s - lse) is 0 there and its out is 0).
