@@ -1,0 +1,38 @@
+"""Export a checkpoint: jaxpar-export --workdir DIR [--step N] --out FILE.safetensors
+(one file, FILE.json beside it with the model config and jaxpar version), or --hf FOLDER (a
+Hugging Face folder, config.json + model.safetensors, for `from_pretrained`). Also
+python -m jaxpar export, or python scripts/export.py in a checkout."""
+from __future__ import annotations
+
+import sys
+
+from jaxpar import cli
+
+
+def main(argv=None) -> int:
+  p = cli.Parser(description=__doc__)
+  p.add_argument("--workdir", required=True, help="the training run's workdir")
+  p.add_argument("--step", type=int, help="checkpoint step (default: the latest complete one)")
+  out = p.add_mutually_exclusive_group(required=True)
+  out.add_argument("--out", help="FILE.safetensors to write")
+  out.add_argument("--hf", metavar="FOLDER", help="a Hugging Face model folder to write (gpt, llama)")
+  p.add_argument("--debug", action="store_true", help="show tracebacks")
+  args = p.parse_args(argv)
+
+  def body():
+    cli.check_outputs(("--hf", args.hf, "folder"), ("--out", args.out, "file"))
+    from jaxpar import export
+    if args.hf:
+      from jaxpar.interop import hf
+      config = hf.export(args.workdir, args.hf, args.step)
+      print(f"wrote {args.hf}/model.safetensors and config.json ({config['architectures'][0]})")
+      return 0
+    info = export.export(args.workdir, args.out, args.step)
+    print(f"wrote {args.out} ({info['n_tensors']} tensors, {info['n_params']:,} parameters, "
+          f"step {info['step']}) and {export.config_path(args.out)}")
+    return 0
+  return cli.guard(body, args.debug, exit_on_signal=True)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

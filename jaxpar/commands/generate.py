@@ -1,0 +1,66 @@
+"""Sample text from a checkpoint: jaxpar-generate --workdir DIR --prompt TEXT
+[--prompt TEXT ...] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
+[--stop-token ID] [--seed S] [--num-samples N] [--no-cache] [--mesh DxMxP] [--step N].
+Also python -m jaxpar generate, or python scripts/generate.py in a checkout."""
+from __future__ import annotations
+
+import sys
+
+from jaxpar import cli
+from jaxpar import mesh as jmesh
+
+
+def main(argv=None) -> int:
+  p = cli.Parser(description=__doc__)
+  p.add_argument("--workdir", required=True, help="the training run's workdir")
+  p.add_argument("--prompt", action="append", default=None,
+                 help="text the sample continues (a document's start); repeat it for a batch of "
+                      "prompts of any lengths, sampled together")
+  p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample")
+  p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+  p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all)")
+  p.add_argument("--top-p", type=float, default=1.0,
+                 help="sample among the fewest likeliest tokens holding this much probability "
+                      "(1 = all)")
+  p.add_argument("--stop-token", type=int, default=None,
+                 help="token id that ends a sample (default: end-of-text; -1: none)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
+  p.add_argument("--no-cache", action="store_true",
+                 help="recompute the whole window for every token (the slow reference path)")
+  p.add_argument("--step", type=int, help="checkpoint step (default: the latest complete one)")
+  p.add_argument("--mesh", default="1x1x1", help="data x model x pipeline to shard the parameters over")
+  p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                 help="overrides of the checkpoint's config, e.g. precision.compute_dtype=bfloat16")
+  p.add_argument("--debug", action="store_true", help="show tracebacks")
+  args = p.parse_args(argv)
+  prompts = args.prompt if args.prompt is not None else [""]
+
+  def body():
+    shape = jmesh.parse(args.mesh)
+    n = shape[0] * shape[1] * shape[2]
+    if n > 1 and jmesh.ensure_cpu_devices(n):  # before JAX starts
+      print(f"jaxpar: simulating {n} CPU devices for mesh {args.mesh} "
+            f"(XLA_FLAGS=--xla_force_host_platform_device_count={n})", file=sys.stderr)
+    from jaxpar import generate
+    # before the checkpoint is read: a bad value costs no restore
+    generate.check_options(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                           args.num_samples, args.stop_token)
+    sampler = generate.Sampler(args.workdir, shape, args.step, args.set)
+    longest = max(len(sampler.codec.encode(text)) for text in prompts)
+    note = sampler.window_note(longest, args.max_new_tokens)
+    if note:
+      print(f"jaxpar: {note}", file=sys.stderr)
+    texts = sampler.generate(prompts, args.max_new_tokens, args.temperature, args.top_k,
+                             args.seed, args.num_samples, args.top_p, args.stop_token,
+                             cache=not args.no_cache)
+    for i, text in enumerate(texts):
+      if i:
+        print("\n" + "-" * 40)
+      print(prompts[i // args.num_samples] + text)
+    return 0
+  return cli.guard(body, args.debug, exit_on_signal=True)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,54 @@
+"""Train a model on a DxMxP mesh: jaxpar-train --mesh 2x4x1 [--config F] [--set k=v ...]
+(or python -m jaxpar train, or python scripts/train.py in a checkout)."""
+from __future__ import annotations
+
+import os
+import sys
+
+from jaxpar import cli, distributed
+
+
+def main(argv=None) -> int:
+  p = cli.Parser(description=__doc__)
+  cli.add_common(p)
+  p.add_argument("--steps", type=int, help="total steps (overrides train.steps)")
+  p.add_argument("--workdir", default="workdir", help="checkpoints, TensorBoard, built data")
+  p.add_argument("--metrics-file", help="JSON Lines: one object per logged step, then a final one")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.add_argument("--deepspeed", metavar="DS_CONFIG",
+                 help="a DeepSpeed config (ds_config.json) read as overrides before --set")
+  p.add_argument("--profile-steps", metavar="A:B",
+                 help="trace steps A..B with the JAX profiler into <workdir>/profile; the summary "
+                      "splits their time into compute and collectives")
+  distributed.add_flags(p)
+  args = p.parse_args(argv)
+
+  def body():
+    from jaxpar import profile  # bad input is refused before any device is touched
+    window = profile.parse_window(args.profile_steps) if args.profile_steps is not None else None
+    spec = distributed.resolve(args)
+    if args.deepspeed:  # its overrides go first: --config < --deepspeed < --set
+      from jaxpar.interop import deepspeed
+      args.set = deepspeed.cli_overrides(args.deepspeed, args.mesh, args.set,
+                                         show=spec.process_id == 0) + args.set
+    cli.check_outputs(("--workdir", args.workdir, "folder"),
+                      *(("--workdir", os.path.join(args.workdir, sub), "folder")
+                        for sub in ("checkpoints", "tb")),  # what the run makes inside it
+                      ("--metrics-file", args.metrics_file, "file"))
+    cfg, shape = cli.setup(args, processes=spec.num_processes)
+    distributed.initialize(spec)  # before anything touches the devices
+    distributed.preflight(cfg, shape)
+    from jaxpar import loop
+    log = print if distributed.is_main() else (lambda *a, **k: None)
+    try:
+      result = loop.run(cfg, shape, args.workdir, args.metrics_file, args.steps,
+                        progress=not args.no_progress, log=log, profile_steps=window)
+    except Exception as e:
+      distributed.exit_if_peer_lost(e)
+      raise
+    return 0 if result.steps else 1
+  return cli.guard(body, args.debug, exit_on_signal=True)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
