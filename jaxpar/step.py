@@ -370,9 +370,10 @@ class Trainer:
     return jax.jit(fn, in_shardings=(self.state_shardings["params"],
                                      self.batch_sharding(batch_abstract)))
 
-  def _grads(self, params, batch, scale=None):
+  def _grads(self, params, batch, scale=None, step=None):
     """(params, global batch) -> (loss, metrics, grads with the layout's grad shardings).
-    `scale`: the loss scale, a traced scalar under dynamic scaling (default: the static one)."""
+    `scale`: the loss scale, a traced scalar under dynamic scaling (default: the static one).
+    `step`: the step counter, whose key (model.train_key) a model that takes_rng is given."""
     L = self.layout
     stage, accum = L.stage, self.cfg.train.grad_accum
     scale = precision.static_scale(self.cfg.precision) if scale is None else scale
@@ -381,6 +382,9 @@ class Trainer:
     # Without a pipeline the body is differentiated by jax.grad under vma checking; the pipeline
     # executor differentiates by hand (jax.vjp per stage), where per-device values are simply local.
     vma = sched is None
+    # The key's data (uint32) enters the shard_map as a closed-over replicated value.
+    key_data = (jax.random.key_data(jmodel.train_key(self.cfg.train.seed, step))
+                if model.takes_rng and sched is None and step is not None else None)
 
     def local(params, batch):
       if self.frozen is not None:  # no backward into frozen parameters (nor ZeRO-3 reduce-scatter)
@@ -393,13 +397,22 @@ class Trainer:
             lambda x, d: x if stage == 3 and d >= 0 else jax.lax.pcast(x, zero.DATA, to="varying"),
             params, L.dims)
 
-      def one(mb):  # -> (loss, metrics, grads) of one microbatch of this shard
+      # the global row where this shard's piece of the batch starts (the keys follow the rows)
+      n_local = jax.tree_util.tree_leaves(batch)[0].shape[0]
+      row0 = jax.lax.axis_index(zero.DATA) * n_local if zero.DATA in manual else 0
+
+      def one(mb, i=0):  # -> (loss, metrics, grads) of microbatch i of this shard
         if sched is not None:
           # the schedule seeds each microbatch's backward with the scale (not a multiply after)
           return model.pipeline(params, self._micro(mb), sched, dtype, L.param_dims, manual, scale)
 
+        rng = {}
+        if key_data is not None:
+          first = row0 + i * jax.tree_util.tree_leaves(mb)[0].shape[0]
+          rng = {"rng": jmodel.at_rows(jax.random.wrap_key_data(key_data), first)}
+
         def scaled(p):
-          loss, aux = _as_float_weight(*model.loss(p, mb, dtype, L.param_dims, manual))
+          loss, aux = _as_float_weight(*model.loss(p, mb, dtype, L.param_dims, manual, **rng))
           if WEIGHT in aux:  # this piece's sums, not its means (see WEIGHT)
             loss, aux = _weighed(loss, aux)
           return loss * scale, (loss, aux)
@@ -418,7 +431,8 @@ class Trainer:
         zeros = jax.tree_util.tree_map(
             zeros_like, jax.eval_shape(one, jax.tree_util.tree_map(lambda x: x[0], micro)))
         total, _ = jax.lax.scan(
-            lambda acc, mb: (jax.tree_util.tree_map(jnp.add, acc, one(mb)), None), zeros, micro)
+            lambda acc, mb_i: (jax.tree_util.tree_map(jnp.add, acc, one(*mb_i)), None), zeros,
+            (micro, jnp.arange(accum)))
         loss, aux, grads = jax.tree_util.tree_map(lambda x: x / accum, total)
       if not (isinstance(scale, float) and scale == 1.0):
         grads = jax.tree_util.tree_map(lambda g: g / scale, grads)
@@ -440,7 +454,8 @@ class Trainer:
   def step_fn(self, state: dict, batch: dict) -> tuple[dict, dict]:
     """One optimizer step on one global batch. Pure; `compiled_step` jits it."""
     dyn = state.get("loss_scale")  # the dynamic loss scale's state, or None
-    loss, aux, grads = self._grads(state["params"], batch, None if dyn is None else dyn["scale"])
+    loss, aux, grads = self._grads(state["params"], batch, None if dyn is None else dyn["scale"],
+                                   state["step"])
     if self.frozen is not None:  # the pipeline's own vjp gives them gradients: not counted
       grads = jax.tree_util.tree_map(lambda g, f: jnp.zeros_like(g) if f else g, grads, self.frozen)
     grads = jax.lax.with_sharding_constraint(grads, zero.named(self.mesh, self.layout.grads))
