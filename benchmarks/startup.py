@@ -118,12 +118,16 @@ def case(name: str) -> dict:
           "cache_entries": entries, "cache_bytes": size}
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--only", choices=sorted(CASES), action="append",
                  help="run only this case (repeatable)")
   p.add_argument("--out", default=DEFAULT_OUT, help="JSON results file")
-  args = p.parse_args(argv)
+  return p
+
+
+def main(argv=None) -> int:
+  args = parser().parse_args(argv)
   import jax
   result = {"host_cpu": _jaxpar_bench.host_cpu(), "jax": jax.__version__,
             "load_average_at_start": os.getloadavg(), "cases": {}}
