@@ -432,9 +432,16 @@ def test_a_checkpoint_that_cannot_be_written_is_one_sentence_and_exit_1(tmp_path
   assert r.returncode == 1, r.stderr
   lines = [l for l in r.stderr.splitlines() if l.strip()]
   ckpts = workdir / "checkpoints"
-  assert lines == [f"error: the checkpoint of step 6 could not be written in {ckpts} (File too "
-                   f"large); the run stops here, and a run started again resumes from the last "
-                   f"complete checkpoint (step 4)"], r.stderr
+  # The reason is the OS's words; only when the write that crossed the limit was one of an OCDBT
+  # database's small metadata records (which file crosses it first depends on the writers'
+  # timing: seen once in eight runs, under load) does tensorstore report OUT_OF_RANGE without them.
+  assert len(lines) == 1, r.stderr
+  head = f"error: the checkpoint of step 6 could not be written in {ckpts} ("
+  tail = ("); the run stops here, and a run started again resumes from the last complete "
+          "checkpoint (step 4)")
+  assert lines[0].startswith(head) and lines[0].endswith(tail), r.stderr
+  reason = lines[0][len(head):-len(tail)]
+  assert reason == "File too large" or reason.startswith("OUT_OF_RANGE: "), r.stderr
   assert checkpoint.Checkpointer(str(ckpts), 3, 2).all_steps() == [2, 4]
   r = subprocess.run(train_args(workdir, metrics, 6, "checkpoint.every=2"), capture_output=True,
                      text=True, timeout=300, env=_env(), cwd=ROOT)
