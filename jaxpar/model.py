@@ -80,7 +80,9 @@ def _mul_64(a, b: int):
 def _rows_bits(key, bit_width, shape):
   """Partitionable threefry's bits with the flat counter moved on by key[2] rows of `shape`."""
   if math.prod(shape) >= 2 ** 32:
-    raise NotImplementedError(f"a random draw of {math.prod(shape)} elements per piece of the batch")
+    # The row offset is added to a 64-bit counter, but one draw's own counter is 32-bit.
+    raise ConfigError(f"a random draw of {math.prod(shape)} elements in one piece of the batch is "
+                      f"more than the 2**32 the step's key can number; draw in smaller pieces")
   flat = jnp.zeros(shape, _U32)
   for d in range(len(shape)):
     flat = flat + lax.broadcasted_iota(_U32, shape, d) * _U32(math.prod(shape[d + 1:]))

@@ -21,9 +21,9 @@ def main(argv=None) -> int:
 
   def body():
     cli.check_outputs(("--hf", args.hf, "folder"), ("--out", args.out, "file"))
-    from jaxpar import export
+    from jaxpar import export  # imports JAX: only once the outputs are known to be writable
     if args.hf:
-      from jaxpar.interop import hf
+      from jaxpar.interop import hf  # only --hf needs the Hugging Face interop
       config = hf.export(args.workdir, args.hf, args.step)
       print(f"wrote {args.hf}/model.safetensors and config.json ({config['architectures'][0]})")
       return 0

@@ -92,7 +92,7 @@ def _search(args, cfg) -> int:
   if args.auto and mesh.ensure_cpu_devices(n):
     print(f"plan: simulating {n} CPU devices (--xla_force_host_platform_device_count={n})",
           file=sys.stderr)
-  from jaxpar import autoplan
+  from jaxpar import autoplan  # imports JAX: after the simulated device count is set
   with contextlib.redirect_stdout(sys.stderr):
     rates = autoplan.rates(args.device_kind, n)
     budget = args.memory_per_device or rates.memory
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     if mesh.ensure_cpu_devices(n):
       print(f"plan: simulating {n} CPU devices (--xla_force_host_platform_device_count={n})",
             file=sys.stderr)
-    from jaxpar import plan
+    from jaxpar import plan  # imports JAX: after the simulated device count is set
     # stdout carries only the result; anything printed while compiling goes to stderr.
     with contextlib.redirect_stdout(sys.stderr):
       report = plan.plan(cfg, shape)

@@ -24,6 +24,8 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
 
   def body():
+    # Lazy, as in every command: these import JAX, which must start after cli.setup has set the
+    # simulated device count (XLA_FLAGS); profile is light and refuses bad input first.
     from jaxpar import profile  # bad input is refused before any device is touched
     window = profile.parse_window(args.profile_steps) if args.profile_steps is not None else None
     spec = distributed.resolve(args)
