@@ -11,14 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar import mesh as jmesh
-from jaxpar import model as jmodel
-from jaxpar.step import Trainer
+from jaxpar.models import registry as jmodel
+from jaxpar.parallel import mesh as jmesh
+from jaxpar.train.step import Trainer
 
 
 @dataclass
 class OneDevice:
-  """jaxpar's compiled GPT step on a 1x1x1 mesh (the path jaxpar.loop.run takes), its initial
+  """jaxpar's compiled GPT step on a 1x1x1 mesh (the path jaxpar.train.loop.run takes), its initial
   state, and the batches: `rows` as numpy (B, T+1) windows, `batches` placed for the step."""
   mesh: Any
   trainer: Trainer

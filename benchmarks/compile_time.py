@@ -30,9 +30,11 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 import jax  # noqa: E402
 
-from jaxpar import config, hlo, plan  # noqa: E402
-from jaxpar import mesh as jmesh  # noqa: E402
-from jaxpar.step import Trainer  # noqa: E402
+from jaxpar import config
+from jaxpar.analysis import hlo
+from jaxpar.parallel import mesh as jmesh  # noqa: E402
+from jaxpar.planning import plan  # noqa: E402
+from jaxpar.train.step import Trainer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the helpers beside this file
 import _jaxpar_bench  # noqa: E402

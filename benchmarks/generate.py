@@ -29,8 +29,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the helpers beside this file
 import _jaxpar_bench  # noqa: E402
+
 from jaxpar import config as jconfig
-from jaxpar import generate
+from jaxpar.interop import generate
 
 THRESHOLD = 5.0  # cached tokens/s over uncached
 BASE = ["precision.compute_dtype=float32"]

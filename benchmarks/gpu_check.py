@@ -11,11 +11,11 @@ JSON says so, so a rerun with `--only` can pick up the rest.
 
 What it measures (all bf16 compute, float32 master weights and AdamW state, T = 2048,
 synthetic tokens; cuDNN's fused attention where jaxpar finds it usable):
-1. `gpt`, `llama`: MFU (DESIGN.md's definition over the datasheet peak that jaxpar.metrics names),
+1. `gpt`, `llama`: MFU (DESIGN.md's definition over the datasheet peak that jaxpar.train.metrics names),
    tokens/s, and the step's time split into matmuls, attention, optimizer and the rest, read from
-   one profiler window (jaxpar.profile.category_split over the step's HLO).
+   one profiler window (jaxpar.analysis.profile.category_split over the step's HLO).
 2. `gpt_offload`, `gpt_remat`, with `gpt`: memory truth: the peak plan.py predicts (the compiled
-   program's arguments + outputs + temporaries - donated, jaxpar.hlo.memory, the one definition
+   program's arguments + outputs + temporaries - donated, jaxpar.analysis.hlo.memory, the one definition
    plan.py reports) against the allocator's `peak_bytes_in_use` after 3 steps.
 3. `gpt_offload` against `gpt`: offload for real: `memory_analysis()`'s device and host bytes
    (separate on GPU, unlike XLA:CPU), and the step time offload costs.
@@ -172,10 +172,11 @@ def _device_limit() -> int | None:
 
 def _build(overrides: dict):
   import jax
+
   from jaxpar import config as jconfig
-  from jaxpar import mesh as jmesh
-  from jaxpar import model as jmodel
-  from jaxpar.step import Trainer
+  from jaxpar.models import registry as jmodel
+  from jaxpar.parallel import mesh as jmesh
+  from jaxpar.train.step import Trainer
   cfg = jconfig.load(None, [f"{k}={v}" for k, v in overrides.items()] + [
       "precision.compute_dtype=bfloat16", "precision.param_dtype=float32",
       "train.warmup_steps=1", "data.source=synthetic"])
@@ -210,8 +211,10 @@ def measure_train(spec: dict, trace_dir: str) -> dict:
   import statistics
 
   import jax
-  from jaxpar import hlo, metrics, profile
+
+  from jaxpar.analysis import hlo, profile
   from jaxpar.models import gpt
+  from jaxpar.train import metrics
   cfg, mesh, model, trainer = _build(spec["overrides"])
   mc, B = cfg.model, cfg.train.batch_size
   T, H = mc.seq_len, mc.n_heads
@@ -301,7 +304,9 @@ def measure_largest(spec: dict) -> dict:
   out of memory). With offload the host holds the AdamW moments (8 bytes a parameter): the
   depth is also capped so that they fill at most half the host's RAM."""
   import jax
-  from jaxpar import hlo, metrics
+
+  from jaxpar.analysis import hlo
+  from jaxpar.train import metrics
   limit = spec.get("budget_bytes") or _device_limit()
   if not limit:
     raise RuntimeError("this backend reports no memory limit; give budget_bytes")

@@ -8,7 +8,7 @@ timed steps after compilation and two warm-up steps. Attention is cuDNN's fused 
 jaxpar finds it usable (models/gpt.py: attention_implementation), else XLA's; the JSON says which.
 
 MFU = tokens/s x model FLOPs per token (DESIGN.md: 6 N_nonembedding + 12 L d T) / the device's
-peak (jaxpar.metrics: datasheet dense bf16 peak for known GPUs, measured otherwise). Peak memory
+peak (jaxpar.train.metrics: datasheet dense bf16 peak for known GPUs, measured otherwise). Peak memory
 is the allocator's `peak_bytes_in_use` (device.memory_stats(); none on CPU) beside the compiled
 program's own figure (arguments + outputs + temporaries - donated).
 
@@ -38,12 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import config as jconfig
-from jaxpar import hlo, metrics
-from jaxpar import mesh as jmesh
-from jaxpar import model as jmodel
+from jaxpar.analysis import hlo
 from jaxpar.models import gpt
+from jaxpar.models import registry as jmodel
 from jaxpar.models.decoder import REMAT
-from jaxpar.step import Trainer
+from jaxpar.parallel import mesh as jmesh
+from jaxpar.train import metrics
+from jaxpar.train.step import Trainer
 
 # Modules the GPU machine does not have: the training step must not need them.
 ABSENT_ON_GPU_HOST = ("tensorflow_datasets", "grain", "array_record", "tensorboardX")

@@ -24,7 +24,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxpar import mesh as jmesh
+from jaxpar.parallel import mesh as jmesh
 
 jmesh.ensure_cpu_devices(8)  # before JAX starts: the CNN case runs on 8 simulated devices
 
@@ -32,9 +32,9 @@ import jax  # noqa: E402
 import tensorflow_datasets as tfds  # noqa: E402
 
 from jaxpar import config as jconfig  # noqa: E402
-from jaxpar import loop  # noqa: E402
 from jaxpar.data import make_loader, tfds_source  # noqa: E402
-from jaxpar.step import Trainer  # noqa: E402
+from jaxpar.train import loop  # noqa: E402
+from jaxpar.train.step import Trainer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the helpers beside this file
 import _jaxpar_bench  # noqa: E402

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import config as jconfig
-from jaxpar import model as jmodel
 from jaxpar.models import gpt
+from jaxpar.models import registry as jmodel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _jaxpar_bench  # noqa: E402  (beside this file)

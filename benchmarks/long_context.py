@@ -33,11 +33,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar import config as jconfig
-from jaxpar import hlo
-from jaxpar import mesh as jmesh
-from jaxpar import model as jmodel
+from jaxpar.analysis import hlo
 from jaxpar.models import blockwise, gpt
-from jaxpar.step import Trainer
+from jaxpar.models import registry as jmodel
+from jaxpar.parallel import mesh as jmesh
+from jaxpar.train.step import Trainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the helpers beside this file
 import _jaxpar_bench  # noqa: E402

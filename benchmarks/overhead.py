@@ -27,6 +27,7 @@ import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the helpers beside this file
 import _jaxpar_bench  # noqa: E402
+
 from jaxpar import config as jconfig
 
 THRESHOLD = 0.95
@@ -159,7 +160,7 @@ def main(argv=None) -> int:
   mc, tc = cfg.model, cfg.train
   tokens_per_step = tc.batch_size * mc.seq_len
 
-  # jaxpar: the same path as jaxpar.loop.run, on a 1x1x1 mesh
+  # jaxpar: the same path as jaxpar.train.loop.run, on a 1x1x1 mesh
   one = _jaxpar_bench.one_device(cfg, args.warmup + args.steps, device)
   mesh, compiled, jstate, rows, jbatches = one.mesh, one.compiled, one.state, one.rows, one.batches
 

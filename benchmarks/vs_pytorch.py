@@ -42,8 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import config as jconfig
-from jaxpar import hostmem
-from jaxpar import optim
+from jaxpar.parallel import hostmem
+from jaxpar.train import optim
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _jaxpar_bench  # noqa: E402  (beside this file)
@@ -238,7 +238,7 @@ def compare(args, cfg, device, tokens_per_step, trainer, compiled, jstate, jbatc
       "load_average": {"before": load_before, "after": load_after},
       # glibc's allocator settings change XLA:CPU's per-step cost; recorded with the figures
       "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
-      "host_malloc_kept": hostmem.applied,  # jaxpar.hostmem, in jaxpar's process
+      "host_malloc_kept": hostmem.applied,  # jaxpar.parallel.hostmem, in jaxpar's process
       "config": jconfig.to_dict(cfg),
       "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
       "tokens_per_step": tokens_per_step,

@@ -1,33 +1,33 @@
 """jaxpar: sharded training of Flax models on one JAX mesh (data, model, pipeline).
 
 The public surface: `Trainer` (sharded init + compiled step), `from_nnx` / `from_linen` (bring your
-own Flax model), `RULES` (logical axis -> mesh axis), `make_mesh`, and `config.load`.
+own Flax model), `RULES` (logical axis -> mesh axis) and `rules` (`rules.constrain` for
+activations), `make_mesh`, and `config.load`. The package's layers: ARCHITECTURE.md.
 """
-from jaxpar import hostmem
+from jaxpar.parallel import hostmem
 
 hostmem.configure()  # before JAX starts its threads; see hostmem.py
 
 from jaxpar import config  # noqa: E402
 from jaxpar.config import Config, ConfigError  # noqa: E402
-from jaxpar.model import ModelDef, from_linen, from_nnx  # noqa: E402
-from jaxpar.rules import RULES  # noqa: E402
-from jaxpar.step import Trainer  # noqa: E402
-
-__version__ = "0.1.0"
+from jaxpar.models.base import ModelDef, from_linen, from_nnx  # noqa: E402
+from jaxpar.parallel import mesh as _mesh  # noqa: E402
+from jaxpar.parallel import rules  # noqa: E402  (jaxpar.rules.constrain in a model)
+from jaxpar.parallel.rules import RULES  # noqa: E402
+from jaxpar.train.step import Trainer  # noqa: E402
+from jaxpar.version import __version__  # noqa: E402
 
 
 def make_mesh(spec: str):
   """'2x4x1' -> Mesh(data=2, model=4, pipeline=1) over the first 8 devices."""
   import jax
-
-  from jaxpar import mesh
-  shape = mesh.parse(spec)
+  shape = _mesh.parse(spec)
   n = shape[0] * shape[1] * shape[2]
   if n > len(jax.devices()):
     raise ConfigError(f"mesh {spec} needs {n} devices, found {len(jax.devices())} "
                       f"(data={shape[0]}, model={shape[1]}, pipeline={shape[2]})")
-  return mesh.make(shape, jax.devices()[:n])
+  return _mesh.make(shape, jax.devices()[:n])
 
 
 __all__ = ["Config", "ConfigError", "ModelDef", "RULES", "Trainer", "config", "from_linen",
-           "from_nnx", "make_mesh", "__version__"]
+           "from_nnx", "make_mesh", "rules", "__version__"]

@@ -10,7 +10,7 @@ import math
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -146,7 +146,6 @@ class Config:
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _CHOICES = {
-    "model.kind": ("gpt", "llama", "cnn"),
     "data.source": ("local_text", "tfds", "synthetic"),
     "parallel.schedule": ("gpipe", "circular", "1f1b"),
     "parallel.remat": ("none", "full", "dots_saveable", "offload"),
@@ -257,19 +256,6 @@ def validate(cfg: Config) -> Config:
   if cfg.parallel.zero_stage not in (0, 1, 2, 3):
     raise ConfigError(f"config key parallel.zero_stage={cfg.parallel.zero_stage} must be 0, 1, 2 or 3")
   _check_loss_scale(cfg.precision)
-  m = cfg.model
-  if m.kind in ("gpt", "llama"):
-    if m.d_model % m.n_heads:
-      raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
-    kv = m.n_kv_heads or m.n_heads
-    if m.n_heads % kv:
-      raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={kv}")
-    if m.kind == "llama" and (m.d_model // m.n_heads) % 2:
-      raise ConfigError(f"model.d_model/model.n_heads={m.d_model // m.n_heads} must be even: "
-                        f"rotary embeddings turn pairs of dimensions")
-    if m.max_positions and m.max_positions < m.seq_len:
-      raise ConfigError(f"model.max_positions={m.max_positions} is shorter than "
-                        f"model.seq_len={m.seq_len}")
   if cfg.train.batch_size % cfg.train.grad_accum:
     raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not divisible by "
                       f"train.grad_accum={cfg.train.grad_accum}")
@@ -304,18 +290,22 @@ def get(cfg: Config, key: str) -> Any:
   return getattr(getattr(cfg, section), name)
 
 
-def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = (),
+         base: Callable[[str], dict[str, Any]] | None = None) -> Config:
   """Defaults, then the YAML file at `path`, then `key=value` overrides (later wins).
 
-  With `model.init_from`, the model folder's config.json comes right after the defaults.
+  With `model.init_from`, `base(folder)` gives the model keys read from that folder (for a Hugging
+  Face folder, `jaxpar.interop.hf.model_overrides`); they come right after the defaults.
   """
   cfg = _load(Config(), path, overrides)
   if cfg.model.init_from:
-    from jaxpar.interop import hf
-    base = _apply(Config(), "model.init_from", cfg.model.init_from)
-    for name, value in hf.model_overrides(cfg.model.init_from).items():
-      base = _apply(base, f"model.{name}", value)
-    cfg = _load(base, path, overrides)
+    if base is None:
+      raise ConfigError(f"model.init_from={cfg.model.init_from} needs the folder's model keys: "
+                        "load with base=jaxpar.interop.hf.model_overrides")
+    first = _apply(Config(), "model.init_from", cfg.model.init_from)
+    for name, value in base(cfg.model.init_from).items():
+      first = _apply(first, f"model.{name}", value)
+    cfg = _load(first, path, overrides)
   return validate(cfg)
 
 

@@ -5,10 +5,11 @@ import subprocess
 import sys
 
 import pytest
-
-from jaxpar import autoplan, config
-from jaxpar.config import ConfigError
 from conftest import FAST_XLA
+
+from jaxpar import config
+from jaxpar.config import ConfigError
+from jaxpar.planning import autoplan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GB = 1e9
@@ -108,7 +109,7 @@ def test_ranked_bytes_are_the_compiled_programs(auto_default):
   # Ground truth outside the ranking: plan.py's compiled program for each layout --auto ranked
   # (the persistent compilation cache makes these two compiles loads). A budget between their
   # peaks then rejects exactly the layout whose compiled step needs more than it.
-  from jaxpar import plan
+  from jaxpar.planning import plan
   cfg = autoplan.for_device(config.load(None, []), "cpu")
   compiled = {}
   for row in auto_default["ranked"]:

@@ -9,9 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar import checkpoint, config, mesh as jmesh, model as jmodel
+from jaxpar import config
 from jaxpar.config import ConfigError
-from jaxpar.step import Trainer
+from jaxpar.models import registry as jmodel
+from jaxpar.parallel import mesh as jmesh
+from jaxpar.train import checkpoint
+from jaxpar.train.step import Trainer
 
 TINY = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.d_ff=128",
         "model.seq_len=16", "train.batch_size=8", "train.warmup_steps=1", "train.steps=5"]
@@ -126,7 +129,7 @@ def test_read_state_with_plain_orbax(saved):
 KILLED_SAVE = """
 import os, time
 import jax.numpy as jnp
-from jaxpar import checkpoint
+from jaxpar.train import checkpoint
 directory = {directory!r}
 ckpt = checkpoint.Checkpointer(directory, keep=3, every=1)
 ckpt.maybe_save(1, {{"step": jnp.int32(1), "params": {{"w": jnp.ones((256, 256))}}}}, {{"step": 1}})

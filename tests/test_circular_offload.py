@@ -11,9 +11,11 @@ import shutil
 import jax
 import numpy as np
 import pytest
-
-from jaxpar import checkpoint, config, hlo, loop
 from test_resume import TINY, run
+
+from jaxpar import config
+from jaxpar.analysis import hlo
+from jaxpar.train import checkpoint, loop
 
 MESH = (4, 1, 2)
 STEPS = 4

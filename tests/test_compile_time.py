@@ -13,9 +13,11 @@ import time
 import jax
 import pytest
 
-from jaxpar import config, hlo, plan
-from jaxpar import mesh as jmesh
-from jaxpar.step import Trainer
+from jaxpar import config
+from jaxpar.analysis import hlo
+from jaxpar.parallel import mesh as jmesh
+from jaxpar.planning import plan
+from jaxpar.train.step import Trainer
 
 SMALL = ["model.d_model=64", "model.n_heads=4", "model.d_ff=128", "model.seq_len=32",
          "train.batch_size=16"]

@@ -6,12 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import test_equivalence as eq
 from flax import nnx
 
 import jaxpar
-from jaxpar import optim
-
-import test_equivalence as eq
+from jaxpar.train import optim
 
 
 def first_grads(cfg, shape, data):

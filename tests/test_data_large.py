@@ -10,10 +10,10 @@ import time
 
 import numpy as np
 import pytest
+from conftest import child_env
 
 from jaxpar import config as jconfig
 from jaxpar import data as jdata
-from conftest import child_env
 
 SPLIT_BYTES = 200_000_000
 # Streaming needs 25-45 MB here (two readers: their counting passes, record files and three
@@ -58,7 +58,7 @@ def large_split(tmp_path_factory):
   thread pools) is paid. A second run, its program loaded from the compilation cache as the large
   run's is, measures what a run adds to its starting RSS when its data takes no memory.
   """
-  from jaxpar import loop
+  from jaxpar.train import loop
   tmp = tmp_path_factory.mktemp("large")
   src, data_dir = str(tmp / "src"), str(tmp / "tfds")
   env = child_env()
@@ -138,8 +138,8 @@ def test_local_text_source_reads_the_large_split_lazily(large_split, tmp_path):
 
 
 def test_large_split_trains_in_bounded_memory_and_resumes(large_split, tmp_path, monkeypatch):
-  from jaxpar import checkpoint as jckpt
-  from jaxpar import loop
+  from jaxpar.train import checkpoint as jckpt
+  from jaxpar.train import loop
   cfg = jconfig.load(None, ["data.source=tfds", f"data.name={large_split['name']}",
                             f"data.data_dir={large_split['data_dir']}", *RUN])
   recorder = _Recorder(jdata.make_loader)

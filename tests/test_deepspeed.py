@@ -6,11 +6,13 @@ import subprocess
 import sys
 
 import pytest
+from conftest import child_env
 
-from jaxpar import cli, config, mesh as jmesh
+from jaxpar import config
+from jaxpar.commands import cli
 from jaxpar.config import ConfigError
 from jaxpar.interop import deepspeed
-from conftest import child_env
+from jaxpar.parallel import mesh as jmesh
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEED = ROOT / "configs" / "ds_zero3_offload_fp16.json"

@@ -15,9 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar import config, mesh as jmesh, model as jmodel
+from jaxpar import config
 from jaxpar.data import synthetic_windows
-from jaxpar.step import Trainer
+from jaxpar.models import registry as jmodel
+from jaxpar.parallel import mesh as jmesh
+from jaxpar.train.step import Trainer
 
 RTOL = 1e-5
 STEPS = 5

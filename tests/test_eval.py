@@ -4,10 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jaxpar import hlo
-
 import test_equivalence as eq
+
+from jaxpar.analysis import hlo
 
 LAYOUTS = [((2, 2, 2), ["parallel.zero_stage=3"]),
            ((4, 2, 1), ["parallel.zero_stage=3"]),

@@ -14,7 +14,9 @@ import pytest
 from conftest import child_env
 
 import jaxpar
-from jaxpar import checkpoint, config, generate, loop
+from jaxpar import config
+from jaxpar.interop import generate
+from jaxpar.train import checkpoint, loop
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.d_ff=64",
@@ -129,7 +131,7 @@ def test_export_writes_every_parameter_unsharded(run, tmp_path):
   r = script("export.py", "--workdir", run["workdir"], "--out", out)
   assert r.returncode == 0, r.stderr
   tensors = load_file(str(out))
-  want = {jaxpar.rules.path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(run["params"])}
+  want = {jaxpar.parallel.rules.path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(run["params"])}
   assert set(tensors) == set(want) and "layers/wq" in tensors and "wte" in tensors
   for name, x in want.items():
     assert tensors[name].shape == x.shape and tensors[name].dtype == x.dtype, name
@@ -220,7 +222,8 @@ def test_export_holds_one_parameter_at_a_time(run, tmp_path, monkeypatch):
   import gc
   import time
   import weakref
-  from jaxpar import export
+
+  from jaxpar.interop import export
   real, held, reads = checkpoint.read_param, [], []
 
   def freed():  # orbax's reader threads may drop their last reference a moment after returning

@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar import config, generate
-from jaxpar import model as jmodel
+from jaxpar import config
+from jaxpar.interop import generate
 from jaxpar.models import decoder, kvcache
+from jaxpar.models import registry as jmodel
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 T = 16  # model.seq_len

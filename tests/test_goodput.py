@@ -14,7 +14,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar import cli, config, loop
+from jaxpar import config
+from jaxpar.commands import cli
+from jaxpar.train import loop
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "scripts" / "train.py")
@@ -160,7 +162,7 @@ def test_a_loss_spike_rolls_back_and_trains_as_if_its_batches_were_never_there(t
   assert got.summary["rollbacks"] == 1 and got.summary["rollback_copy_bytes"] > 0
   assert got.summary["time_s"]["rollback"] > 0  # two steps thrown away, a restore, the copies
   assert loader.position == 18  # 16 steps trained, 2 batches skipped
-  from jaxpar import checkpoint
+  from jaxpar.train import checkpoint
   assert checkpoint.read_extra(str(tmp_path / "spiked" / "checkpoints"), 16)["data"] == {
       "epoch": 0, "position": 18}  # a resume goes on after the window, not through it
 
@@ -290,7 +292,7 @@ def test_a_stopped_peer_is_named_by_the_others_and_the_launcher_and_the_run_resu
 
 
 def test_the_new_keys_are_checked_and_the_watchdog_limits_default_as_documented():
-  from jaxpar import distributed
+  from jaxpar.parallel import distributed
   for bad, message in (("train.spike_factor=0.5", "must be 0 .* or above 1"),
                        ("train.spike_steps=0", "must be positive"),
                        ("train.stall_timeout=-1", "must not be negative")):

@@ -93,7 +93,7 @@ def test_small_check_measures_without_the_modules_the_gpu_machine_lacks(small_re
 
 def test_the_predicted_peak_is_plan_pys(small_report):
   from jaxpar import config as jconfig
-  from jaxpar import plan
+  from jaxpar.planning import plan
   report, _ = small_report
   r = report["phases"]["gpt"]
   cfg = jconfig.load(None, [f"{k}={v}" for k, v in r["config"].items()] + [

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import test_equivalence as eq
 
 HALF = ["precision.param_dtype=bfloat16"]

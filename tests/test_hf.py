@@ -14,17 +14,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import torch  # the test extra installs both
 import transformers
 
-from jaxpar import checkpoint, config, loop
+from jaxpar import config
 from jaxpar import data as jdata
-from jaxpar import mesh as jmesh
-from jaxpar import model as jmodel
 from jaxpar.interop import hf
 from jaxpar.models import decoder
-from jaxpar.step import Trainer
+from jaxpar.models import registry as jmodel
+from jaxpar.parallel import mesh as jmesh
+from jaxpar.train import checkpoint, loop
+from jaxpar.train.step import Trainer
 
 RTOL = 1e-5
 T, B, V = 16, 8, 64
@@ -70,7 +70,7 @@ WORDS = ["the", "cat", "sat", "on", "a", "mat"]
 
 def write_tokenizer(folder):
   """A word-level tokenizers file: <unk> 0, <s> 1, </s> 2 (end of text), then WORDS."""
-  from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
   vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>"] + WORDS)}
   tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
   tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -97,7 +97,7 @@ def cross_entropy(logits, targets):
 def jaxpar_run(folder, shape, extra=()):
   """(logits of tokens[:, :-1] through the GSPMD forward, loss through the step's sharded path)."""
   cfg = config.load(None, [f"model.init_from={folder}", f"model.seq_len={T}",
-                           f"train.batch_size={B}", "precision.compute_dtype=float32", *extra])
+                           f"train.batch_size={B}", "precision.compute_dtype=float32", *extra], base=hf.model_overrides)
   n = int(np.prod(shape))
   jmesh.check(shape, cfg, n)
   t = Trainer(cfg, jmesh.make(shape, jax.devices()[:n]), jmodel.decoder(cfg))
@@ -135,7 +135,7 @@ def test_logits_match_transformers(folders, name, layout):
 
 def _checkpoint_of(folder, workdir):
   """A jaxpar checkpoint at step 0 holding the folder's weights (what a run starts from)."""
-  cfg = config.load(None, [f"model.init_from={folder}", f"model.seq_len={T}", f"train.batch_size={B}"])
+  cfg = config.load(None, [f"model.init_from={folder}", f"model.seq_len={T}", f"train.batch_size={B}"], base=hf.model_overrides)
   t = Trainer(cfg, jmesh.make((1, 1, 1), jax.devices()[:1]), jmodel.decoder(cfg))
   state = t.init_with(hf.load_params(folder, cfg.model, t.model.abstract, t.state_shardings["params"]))
   with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), keep=1, every=0) as ckpt:
@@ -170,7 +170,7 @@ def test_fine_tune_from_a_folder_trains(folders, tmp_path, monkeypatch):
   _randomise(transformers.LlamaForCausalLM(cfg), 2).save_pretrained(folder)
   write_tokenizer(folder)
   cfg = config.load(None, [f"model.init_from={folder}", f"model.seq_len={T}", f"train.batch_size={B}",
-                           "data.source=synthetic", "train.steps=2", "precision.compute_dtype=float32"])
+                           "data.source=synthetic", "train.steps=2", "precision.compute_dtype=float32"], base=hf.model_overrides)
   logs, first = [], []
   make_loader = jdata.make_loader
 
@@ -197,7 +197,7 @@ def test_fine_tune_from_a_folder_trains(folders, tmp_path, monkeypatch):
   assert result.losses[1] == pytest.approx(want, rel=RTOL)
 
   # generate.py speaks the folder's tokenizer; export.py --hf hands the run back to transformers
-  from jaxpar import generate
+  from jaxpar.interop import generate
   sampler = generate.Sampler(str(tmp_path / "wd"), (2, 2, 2))
   assert sampler.codec.tokenizer is not None and sampler.codec.eos == 2
   text = sampler.generate("the cat", max_new_tokens=6, temperature=0)[0]

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import hlo
+from jaxpar.analysis import hlo
 
 ROWS, COLS = 128, 256  # per-device block
 BLOCK_BYTES = ROWS * COLS * 4

@@ -1,4 +1,4 @@
-"""jaxpar.hostmem: on a CPU-only JAX driving one device (train.py's setup), or anywhere with
+"""jaxpar.parallel.hostmem: on a CPU-only JAX driving one device (train.py's setup), or anywhere with
 JAXPAR_HOST_MALLOC=keep, XLA's per-execution temporaries reuse freed memory instead of
 page-faulting a fresh block every step."""
 import argparse
@@ -9,8 +9,9 @@ import sys
 import pytest
 from conftest import child_env
 
-from jaxpar import cli, hostmem
+from jaxpar.commands import cli
 from jaxpar.config import ConfigError
+from jaxpar.parallel import hostmem
 
 # One process: import jaxpar (or not), then run a program whose 144 MB temporary (a dot output
 # reduced away) is allocated and freed by every execution, from a thread other than the main one
@@ -21,7 +22,7 @@ PROBE = """
 import json, resource, sys
 if sys.argv[1] in ("jaxpar", "one-device"):
   import jaxpar
-  from jaxpar import hostmem
+  from jaxpar.parallel import hostmem
   if sys.argv[1] == "one-device":  # what train.py's setup does for one local device
     hostmem.configure(1)
   applied = hostmem.applied

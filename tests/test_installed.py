@@ -14,7 +14,6 @@ import sys
 import sysconfig
 
 import pytest
-
 from conftest import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-from jaxpar import config, loop
-
 import test_equivalence as eq
+
+from jaxpar import config
+from jaxpar.train import loop
 
 FP16 = ["precision.compute_dtype=float16", "precision.loss_scale=dynamic"]
 # one overflow at 2**24 backs off to 2**14; then two finite steps in a row double the scale
@@ -76,7 +76,7 @@ def test_scale_doubles_after_growth_interval_finite_steps(reference):
   assert all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(params))
   # the schedule follows the step, skipped steps included: step 2 ran at schedule(1)
   t_cfg = eq.make_cfg(*SCHEDULE).train
-  from jaxpar import optim
+  from jaxpar.train import optim
   assert rows[1]["learning_rate"] == pytest.approx(float(optim.schedule(t_cfg)(1)))
 
 
@@ -140,7 +140,7 @@ def test_loop_counts_overflows_logs_the_scale_and_resumes_it(tmp_path):
 def test_checkpoint_without_a_scale_restores_under_dynamic_scaling_and_back(tmp_path):
   """A checkpoint saved under a static scale resumes under a dynamic one from
   precision.initial_scale; one saved with a scale resumes under a static scale without it."""
-  from jaxpar import checkpoint
+  from jaxpar.train import checkpoint
   static = eq.trainer(eq.make_cfg("precision.compute_dtype=float16"), (1, 1, 1))
   dynamic = eq.trainer(eq.make_cfg(*SCHEDULE), (1, 1, 1))
   with checkpoint.Checkpointer(str(tmp_path), keep=2, every=0, async_save=False) as ckpt:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar import metrics
+from jaxpar.train import metrics
 
 
 def read_lines(path):

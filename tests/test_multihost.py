@@ -17,9 +17,9 @@ import time
 import numpy as np
 import pytest
 
-from jaxpar import distributed
 from jaxpar.config import ConfigError
 from jaxpar.data import BatchIterator
+from jaxpar.parallel import distributed
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "scripts" / "train.py")

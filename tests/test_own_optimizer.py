@@ -6,13 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import test_equivalence as eq
 from flax import nnx
+from test_user_models import LM, B, batch, masked_loss
 
 import jaxpar
-from jaxpar import checkpoint, rules
-
-import test_equivalence as eq
-from test_user_models import B, LM, batch, masked_loss
+from jaxpar.parallel import rules
+from jaxpar.train import checkpoint
 
 STEPS = 10
 FAST = optax.linear_schedule(1e-2, 1e-3, STEPS)  # changes every step: the logged rate must follow
@@ -207,7 +207,8 @@ def test_init_with_a_wrong_tree_is_one_sentence():
 
 def test_readme_example_runs():
   # test_readme.py runs the nnx and linen examples; this one is run here, as written
-  import pathlib, re
+  import pathlib
+  import re
   text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
   code = re.search(r"<!-- example: own-optimizer -->\s*```python\n(.*?)```", text, re.S).group(1)
   scope = {}

@@ -1,11 +1,10 @@
 """Pipeline schedules: the tables themselves, equivalence with one device, and activation memory."""
 import numpy as np
 import pytest
-
-from jaxpar import pipeline as pl
-from jaxpar import plan as jplan
-
 import test_equivalence as eq
+
+from jaxpar.parallel import pipeline as pl
+from jaxpar.planning import plan as jplan
 
 PIPE_BASE = ["model.n_layers=8", "parallel.microbatches=4"]
 

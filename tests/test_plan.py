@@ -8,10 +8,11 @@ import sys
 
 import jax
 import pytest
-
-from jaxpar import config, plan
-from jaxpar.config import ConfigError
 from conftest import FAST_XLA
+
+from jaxpar import config
+from jaxpar.config import ConfigError
+from jaxpar.planning import plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=8", "model.d_ff=256",
@@ -126,7 +127,7 @@ def test_cli_json():
 
 def test_plan_and_run_report_one_peak_memory(tmp_path):
   """One definition of peak bytes per device (arguments + outputs + temps - aliased) in both."""
-  from jaxpar import loop
+  from jaxpar.train import loop
   cfg = config.load(None, ["model.n_layers=2", "model.d_model=32", "model.n_heads=4",
                            "model.d_ff=64", "model.seq_len=16", "train.batch_size=8",
                            "data.source=synthetic", "train.steps=2"])

@@ -7,11 +7,13 @@ import sys
 
 import jax
 import pytest
-
-from jaxpar import config, plan, profile
-from jaxpar import mesh as jmesh
-from jaxpar.step import Trainer
 from conftest import child_env
+
+from jaxpar import config
+from jaxpar.analysis import profile
+from jaxpar.parallel import mesh as jmesh
+from jaxpar.planning import plan
+from jaxpar.train.step import Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["data.source=synthetic", "model.n_layers=2", "model.d_model=32", "model.n_heads=4",

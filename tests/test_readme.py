@@ -33,6 +33,7 @@ def test_readme_example_trains_and_matches_one_device(name):
 
 def test_unmatched_parameter_is_an_error():
   import flax.linen as nn
+
   import jaxpar
 
   class M(nn.Module):
@@ -45,8 +46,9 @@ def test_unmatched_parameter_is_an_error():
 
 
 def test_indivisible_dimension_is_an_error():
-  import jaxpar
   from flax import nnx
+
+  import jaxpar
 
   class M(nnx.Module):
     def __init__(self, rngs):

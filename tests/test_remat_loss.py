@@ -9,10 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from jaxpar import hlo
-
 import test_equivalence as eq
+
+from jaxpar.analysis import hlo
 
 # Activations dominate: 256 tokens of width 64 through 4 layers; parameters are ~0.2 MB.
 ACT = ["model.n_layers=4", "model.seq_len=256", "model.d_model=64", "model.n_heads=4",

@@ -16,11 +16,12 @@ import time
 import jax
 import numpy as np
 import pytest
-
-from jaxpar import checkpoint, config, loop
-from jaxpar import mesh as jmesh
-from jaxpar.step import Trainer
 from conftest import child_env
+
+from jaxpar import config
+from jaxpar.parallel import mesh as jmesh
+from jaxpar.train import checkpoint, loop
+from jaxpar.train.step import Trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # warmup 2 and min_lr_ratio 1 make the learning rate independent of train.steps, so a run
@@ -301,7 +302,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsy
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_before_the_training_loop_is_one_line_and_exit_128_plus_it(capsys, sig):
-  from jaxpar import cli
+  from jaxpar.commands import cli
 
   def body():  # startup (JAX, data, compile): the training loop has not taken the signals yet
     os.kill(os.getpid(), sig)
@@ -317,7 +318,7 @@ def test_a_signal_before_the_training_loop_is_one_line_and_exit_128_plus_it(caps
 def test_a_signal_lost_during_startup_still_stops_the_run_after_its_first_step(tmp_path):
   # Python drops an exception raised while it runs a garbage-collection callback; the signal
   # guard took is still pending, so the loop stops (and saves) as if it had come in its first step.
-  from jaxpar import cli
+  from jaxpar.commands import cli
 
   def body():
     try:

@@ -8,7 +8,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from jaxpar import export
+from jaxpar.interop import export
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # benchmarks/_*.py are the benchmarks' shared helpers, not benchmarks

@@ -9,11 +9,11 @@ import grain
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
+from conftest import child_env
 
 from jaxpar import config as jconfig
 from jaxpar.config import ConfigError
 from jaxpar.data import make_loader, pack, tfds_source
-from conftest import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY_GPT = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.d_ff=64",
@@ -95,7 +95,7 @@ def test_cifar10_trains_three_steps_and_logs_accuracy(runs):
 
 
 def test_unprepared_dataset_is_a_config_error_before_the_workdir(tmp_path, caplog):
-  from jaxpar import loop
+  from jaxpar.train import loop
   cfg = _cfg("data.source=tfds", "data.name=lm1b", f"data.data_dir={tmp_path / 'tfds'}", *TINY_GPT)
   with pytest.raises(ConfigError) as err:  # scripts print it as one line and exit with code 2
     loop.run(cfg, (8, 1, 1), str(tmp_path / "wd"), progress=False)

@@ -6,12 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import test_equivalence as eq
 from flax import nnx
 
 import jaxpar
-from jaxpar import rules
-
-import test_equivalence as eq
+from jaxpar.parallel import rules
 
 V, D, F, T, B = 32, 16, 64, 8, 16
 

@@ -23,10 +23,12 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import config, hlo, plan
-from jaxpar import mesh as jmesh
-from jaxpar import model as jmodel
-from jaxpar.step import Trainer
+from jaxpar import config
+from jaxpar.analysis import hlo
+from jaxpar.models import registry as jmodel
+from jaxpar.parallel import mesh as jmesh
+from jaxpar.planning import plan
+from jaxpar.train.step import Trainer
 
 L, D, F, H, T, V = 8, 256, 1024, 4, 32, 256
 N_DATA = 8
@@ -288,8 +290,9 @@ def test_offload_matches_the_same_run_without():
 
 
 def test_offload_without_host_memory_is_a_config_error(monkeypatch, capsys):
-  from jaxpar import cli, zero
+  from jaxpar.commands import cli
   from jaxpar.config import ConfigError
+  from jaxpar.parallel import zero
   monkeypatch.setattr(zero, "memory_kinds", lambda device: {"device"})
   with pytest.raises(ConfigError, match="offload_optimizer=true needs pinned_host memory"):
     make_trainer("parallel.offload_optimizer=true")

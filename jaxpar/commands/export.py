@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from jaxpar import cli
+from jaxpar.commands import cli
 
 
 def main(argv=None) -> int:
@@ -21,7 +21,7 @@ def main(argv=None) -> int:
 
   def body():
     cli.check_outputs(("--hf", args.hf, "folder"), ("--out", args.out, "file"))
-    from jaxpar import export  # imports JAX: only once the outputs are known to be writable
+    from jaxpar.interop import export  # imports JAX: only once the outputs are known to be writable
     if args.hf:
       from jaxpar.interop import hf  # only --hf needs the Hugging Face interop
       config = hf.export(args.workdir, args.hf, args.step)

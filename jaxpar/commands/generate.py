@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from jaxpar import cli
-from jaxpar import mesh as jmesh
+from jaxpar.commands import cli
+from jaxpar.parallel import mesh as jmesh
 
 
 def main(argv=None) -> int:
@@ -42,7 +42,8 @@ def main(argv=None) -> int:
     if n > 1 and jmesh.ensure_cpu_devices(n):  # before JAX starts
       print(f"jaxpar: simulating {n} CPU devices for mesh {args.mesh} "
             f"(XLA_FLAGS=--xla_force_host_platform_device_count={n})", file=sys.stderr)
-    from jaxpar import generate  # imports JAX: after the simulated device count is set
+    from jaxpar.interop import generate  # imports JAX: after the simulated device count is set
+
     # before the checkpoint is read: a bad value costs no restore
     generate.check_options(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                            args.num_samples, args.stop_token)

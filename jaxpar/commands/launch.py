@@ -19,9 +19,9 @@ import sys
 import threading
 import time
 
-from jaxpar.cli import Parser  # one-line errors; starts no JAX backend
+from jaxpar.commands.cli import Parser  # one-line errors; starts no JAX backend
 
-ENV_COORDINATOR = "JAXPAR_COORDINATOR"  # the names jaxpar.distributed reads
+ENV_COORDINATOR = "JAXPAR_COORDINATOR"  # the names jaxpar.parallel.distributed reads
 ENV_NUM_PROCESSES = "JAXPAR_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXPAR_PROCESS_ID"
 
@@ -114,7 +114,7 @@ class Prefixer:
     return text
 
 
-# The sentence a process's watchdog ends with when others stopped answering (jaxpar.distributed).
+# The sentence a process's watchdog ends with when others stopped answering (jaxpar.parallel.distributed).
 STALLED = re.compile(rb"error: (process(?:es)? [\d, ]+?)(?:, which runs the coordinator,)? "
                      rb"stopped answering: (step \d+ made no progress for \d+ s)")
 

@@ -22,11 +22,15 @@ import math
 import re
 import sys
 
-from jaxpar import cli, config, mesh  # JAX's backends start only after the devices are set
+from jaxpar import config
+from jaxpar.analysis import devices
+from jaxpar.commands import cli
+from jaxpar.interop import hf
+from jaxpar.parallel import mesh  # JAX's backends start only after the devices are set
 
 
 def autoplan_kinds():
-  return ("cpu", "h100", "h200", "a100")  # jaxpar.autoplan.DEVICE_KINDS, without importing JAX
+  return devices.DEVICE_KINDS  # the kinds --auto can be asked about (devices.py imports no JAX)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
@@ -92,7 +96,7 @@ def _search(args, cfg) -> int:
   if args.auto and mesh.ensure_cpu_devices(n):
     print(f"plan: simulating {n} CPU devices (--xla_force_host_platform_device_count={n})",
           file=sys.stderr)
-  from jaxpar import autoplan  # imports JAX: after the simulated device count is set
+  from jaxpar.planning import autoplan  # imports JAX: after the simulated device count is set
   with contextlib.redirect_stdout(sys.stderr):
     rates = autoplan.rates(args.device_kind, n)
     budget = args.memory_per_device or rates.memory
@@ -140,7 +144,7 @@ def main(argv=None) -> int:
   args = _args(argv)
   try:
     _check_search_args(args)
-    cfg = config.load(args.config, args.overrides)
+    cfg = config.load(args.config, args.overrides, base=hf.model_overrides)
     cli.use_compile_cache(cfg)  # the cache train.py reads: a planned step is not compiled twice
     if args.auto or args.analytic:
       return _search(args, cfg)
@@ -150,7 +154,8 @@ def main(argv=None) -> int:
     if mesh.ensure_cpu_devices(n):
       print(f"plan: simulating {n} CPU devices (--xla_force_host_platform_device_count={n})",
             file=sys.stderr)
-    from jaxpar import plan  # imports JAX: after the simulated device count is set
+    from jaxpar.planning import plan  # imports JAX: after the simulated device count is set
+
     # stdout carries only the result; anything printed while compiling goes to stderr.
     with contextlib.redirect_stdout(sys.stderr):
       report = plan.plan(cfg, shape)

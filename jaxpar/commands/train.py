@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from jaxpar import cli, distributed
+from jaxpar.commands import cli
+from jaxpar.parallel import distributed
 
 
 def main(argv=None) -> int:
@@ -26,11 +27,11 @@ def main(argv=None) -> int:
   def body():
     # Lazy, as in every command: these import JAX, which must start after cli.setup has set the
     # simulated device count (XLA_FLAGS); profile is light and refuses bad input first.
-    from jaxpar import profile  # bad input is refused before any device is touched
+    from jaxpar.analysis import profile  # bad input is refused before any device is touched
     window = profile.parse_window(args.profile_steps) if args.profile_steps is not None else None
     spec = distributed.resolve(args)
     if args.deepspeed:  # its overrides go first: --config < --deepspeed < --set
-      from jaxpar.interop import deepspeed
+      from jaxpar.interop import deepspeed  # only --deepspeed reads a DeepSpeed config
       args.set = deepspeed.cli_overrides(args.deepspeed, args.mesh, args.set,
                                          show=spec.process_id == 0) + args.set
     cli.check_outputs(("--workdir", args.workdir, "folder"),
@@ -40,7 +41,7 @@ def main(argv=None) -> int:
     cfg, shape = cli.setup(args, processes=spec.num_processes)
     distributed.initialize(spec)  # before anything touches the devices
     distributed.preflight(cfg, shape)
-    from jaxpar import loop
+    from jaxpar.train import loop  # imports JAX: after cli.setup has set the device count
     log = print if distributed.is_main() else (lambda *a, **k: None)
     try:
       result = loop.run(cfg, shape, args.workdir, args.metrics_file, args.steps,

@@ -15,18 +15,10 @@ from typing import Iterable
 import numpy as np
 
 from jaxpar.config import ConfigError
-from jaxpar.data.windows import TokenWindows, shuffled
+from jaxpar.data.tokens import SEPARATOR, VOCAB_SIZE, tokenize
+from jaxpar.data.windows import TokenWindows, check_position, shuffled
 
-VOCAB_SIZE = 256  # token = byte value
-# NUL ends every document. local_text skips files that contain NUL, so the token is unambiguous.
-SEPARATOR = 0
 SYNTHETIC_WINDOWS = 4096
-
-
-def tokenize(text: bytes | str) -> np.ndarray:
-  """UTF-8 bytes as tokens: [len] uint8."""
-  data = text.encode("utf-8") if isinstance(text, str) else text
-  return np.frombuffer(data, dtype=np.uint8)
 
 
 def pack(docs: Iterable[bytes | str], seq_len: int) -> np.ndarray:
@@ -59,16 +51,6 @@ def synthetic_windows(seq_len: int, seed: int, n: int = SYNTHETIC_WINDOWS) -> np
   for t in range(1, seq_len + 1):
     out[:, t] = np.where(follow[:, t], successor[out[:, t - 1]], noise[:, t])
   return out
-
-
-def check_position(state: dict, steps_per_epoch: int) -> tuple[int, int]:
-  """(epoch, position) of a checkpoint's data state; ConfigError if this data cannot have it."""
-  epoch, position = int(state["epoch"]), int(state["position"])
-  if epoch < 0 or not 0 <= position < steps_per_epoch:
-    raise ConfigError(f"the checkpoint's data position (epoch {epoch}, batch {position}) does not "
-                      f"fit this data's {steps_per_epoch} batches per epoch: the data changed "
-                      f"since it was saved")
-  return epoch, position
 
 
 class _Plan:
@@ -302,7 +284,7 @@ def image_shape(data_cfg) -> tuple[int, int, int]:
   if data_cfg.source != "tfds":
     raise ConfigError(f"model.kind=cnn needs images, but data.source={data_cfg.source} is text: "
                       f"set data.source=tfds and data.name to an image dataset such as cifar10")
-  from jaxpar.data import tfds_source
+  from jaxpar.data import tfds_source  # imports grain and TFDS only when needed
   ds = tfds_source.open_dataset(data_cfg.name, data_cfg.data_dir)
   if ds.kind != "image":
     raise ConfigError(f"model.kind=cnn needs images, but TFDS dataset {ds.name} is text")

@@ -9,7 +9,7 @@ import time
 
 import tensorflow_datasets as tfds
 
-from jaxpar.metrics import quiet_absl
+from jaxpar.logs import quiet_absl
 
 DEFAULT_MAX_BYTES = 8_000_000
 VALIDATION_EVERY = 50  # every 50th accepted file goes to `validation`

@@ -35,9 +35,9 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from jaxpar.config import ConfigError
-from jaxpar.data.loader import SEPARATOR, VOCAB_SIZE, check_position
-from jaxpar.data.windows import TokenWindows, end_of_text_id, shuffled
-from jaxpar.metrics import quiet_absl
+from jaxpar.data.tokens import SEPARATOR, VOCAB_SIZE
+from jaxpar.data.windows import TokenWindows, check_position, end_of_text_id, shuffled
+from jaxpar.logs import quiet_absl
 
 CACHE_BYTES = 1 << 30  # a host keeps its image shard in memory up to this many decoded bytes
 STATS_SAMPLE = 512  # images of the training split that estimate the per-channel mean and std

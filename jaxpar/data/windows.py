@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxpar.config import ConfigError
+
 COUNT_CHUNK = 64  # documents tokenised together by the counting pass: few, as they may be long
 END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
 
@@ -120,3 +122,13 @@ class TokenWindows:
         filled += len(piece)
         d += 1
     return out
+
+
+def check_position(state: dict, steps_per_epoch: int) -> tuple[int, int]:
+  """(epoch, position) of a checkpoint's data state; ConfigError if this data cannot have it."""
+  epoch, position = int(state["epoch"]), int(state["position"])
+  if epoch < 0 or not 0 <= position < steps_per_epoch:
+    raise ConfigError(f"the checkpoint's data position (epoch {epoch}, batch {position}) does not "
+                      f"fit this data's {steps_per_epoch} batches per epoch: the data changed "
+                      f"since it was saved")
+  return epoch, position

@@ -25,6 +25,7 @@ import os
 from typing import Any
 
 from jaxpar.config import ConfigError
+from jaxpar.parallel import mesh as jmesh
 
 AUTO = "auto"
 DEFAULT = " (DeepSpeed default)"
@@ -119,7 +120,6 @@ def cli_overrides(path: str, mesh: str, user_set: list[str], show: bool = True) 
   own; with `show`, prints the table (stdout) and one line per warning (stderr)."""
   import sys
 
-  from jaxpar import mesh as jmesh
   data, _, pipeline = jmesh.parse(mesh)
   m = load(path, data, pipeline)
   if show:

@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxpar import model as jmodel
-from jaxpar import precision
 from jaxpar.config import Config, ConfigError
+from jaxpar.data import image_shape as dataset_image_shape
+from jaxpar.models import base as jmodel
+from jaxpar.models import precision
 
 FEATURES = 32  # conv output channels, as in the tutorial
 KERNEL = 3
@@ -61,7 +62,6 @@ def flops_per_example(image_shape: tuple[int, int, int], num_classes: int) -> fl
 def model_def(cfg: Config, image_shape: tuple[int, int, int] | None = None) -> jmodel.ModelDef:
   """The CNN for `cfg`; image_shape (H, W, C) defaults to that of the configured dataset."""
   if image_shape is None:
-    from jaxpar.data import image_shape as dataset_image_shape
     image_shape = dataset_image_shape(cfg.data)
   h, w, c = image_shape
   if h < KERNEL or w < KERNEL:

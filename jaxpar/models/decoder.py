@@ -19,10 +19,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import zero
-from jaxpar.rules import constrain, is_split
+from jaxpar.models import precision
+from jaxpar.models.base import ModelDef, from_nnx
+from jaxpar.parallel import mesh as jmesh
+from jaxpar.parallel import pipeline, zero
+from jaxpar.parallel.rules import constrain, is_split
 
-MODEL, DATA = "model", "data"
+MODEL, DATA = jmesh.MODEL, jmesh.DATA
 
 
 @dataclass(frozen=True)
@@ -290,7 +293,6 @@ def pipeline_grads(parts: Parts, params: dict, micro: dict, sched, dtype=jnp.flo
   come back reduce-scattered. Gradients are of `loss_scale` times the loss; with `forward_only`
   (evaluation) there are none (None).
   """
-  from jaxpar import pipeline
   top, top_dims, layer_dims = split(params, dims)
 
   # inputs and targets are sliced here, where every device runs, not in the per-stage branches:
@@ -311,3 +313,27 @@ def pipeline_grads(parts: Parts, params: dict, micro: dict, sched, dtype=jnp.flo
   if forward_only:
     return loss, {}, None
   return loss, {}, {**g_top, "layers": g_layers}
+
+
+def model_def(cfg, module) -> ModelDef:
+  """A decoder of `module` (models/gpt.py, models/llama.py: its MODULE, parts and parameter
+  count) for `cfg`, in `precision.param_dtype`, each layer under `parallel.remat`'s policy:
+  ZeRO-3 gathers one layer at a time inside the scan; the pipeline form runs any schedule."""
+  param_dtype, remat = precision.param_dtype(cfg.precision), cfg.parallel.remat
+  mc = cfg.model
+  parts = module.parts(mc)
+  base = from_nnx(lambda rngs: module.MODULE(mc, rngs=rngs, param_dtype=param_dtype),
+                  loss_fn=lambda out, batch: (out, {}))
+
+  def loss_(params, batch, dtype=jnp.float32, dims=None, manual=frozenset(), rng=None):
+    return loss(parts, params, batch, dtype, dims, remat, manual)
+
+  def pipeline(params, micro, sched, dtype=jnp.float32, dims=None, manual=frozenset(), loss_scale=1.0,
+               forward_only=False):
+    return pipeline_grads(parts, params, micro, sched, dtype, dims, remat, manual, loss_scale,
+                          forward_only)
+  # DESIGN's model FLOPs per token: 6 N_nonembedding + 12 L D T (causal attention counted in full)
+  flops_tok = 6 * module.n_params_nonembedding(mc) + 12 * mc.n_layers * mc.d_model * mc.seq_len
+  return ModelDef(init=base.init, loss=loss_, logical=base.logical, abstract=base.abstract,
+                  tokens_per_example=mc.seq_len, flops_per_example=flops_tok * mc.seq_len,
+                  pipeline=pipeline)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from typing import Any
 
 import jax
@@ -22,7 +23,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import ModelConfig
 from jaxpar.models import blockwise, decoder, kvcache
-from jaxpar.rules import constrain, is_split
+from jaxpar.models.base import ModelDef
+from jaxpar.parallel.rules import constrain, is_split
 
 
 class Layers(nnx.Module):
@@ -285,3 +287,8 @@ def n_params_nonembedding(cfg: ModelConfig) -> int:
 
 
 MODULE = GPT
+
+
+def model_def(cfg) -> ModelDef:
+  """This decoder for `cfg` (models/decoder.py)."""
+  return decoder.model_def(cfg, sys.modules[__name__])

@@ -26,7 +26,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxpar.rules import constrain
+from jaxpar.parallel.rules import constrain
 
 LAYER_AXES = ("batch", None, "heads", "kv")  # one layer's k or v (B, T, G, K)
 STACK_AXES = (None,) + LAYER_AXES  # the stack (L, B, T, G, K): layers not split (see above)

@@ -8,14 +8,17 @@ Letters: B batch, T seq, D embed, H heads, G kv heads, K head dim, F mlp, V voca
 """
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.models import decoder, kvcache
+from jaxpar.models.base import ModelDef
 from jaxpar.models.gpt import attention
-from jaxpar.rules import constrain
+from jaxpar.parallel.rules import constrain
 
 
 class Layers(nnx.Module):
@@ -143,3 +146,8 @@ def n_params_nonembedding(cfg: ModelConfig) -> int:
 
 
 MODULE = Llama
+
+
+def model_def(cfg) -> ModelDef:
+  """This decoder for `cfg` (models/decoder.py)."""
+  return decoder.model_def(cfg, sys.modules[__name__])

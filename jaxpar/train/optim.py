@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxpar import rules
 from jaxpar.config import ConfigError, TrainConfig
+from jaxpar.parallel import rules
 
 
 def schedule(tc: TrainConfig) -> optax.Schedule:

@@ -4,9 +4,11 @@ from __future__ import annotations
 import os
 import re
 
+from jaxpar import kinds
 from jaxpar.config import Config, ConfigError, microbatches
 
-AXES = ("data", "model", "pipeline")
+AXES = ("data", "model", "pipeline")  # the mesh's axes, outermost first: their one definition
+DATA, MODEL, PIPE = AXES
 
 
 def parse(spec: str) -> tuple[int, int, int]:
@@ -38,9 +40,6 @@ def ensure_cpu_devices(n: int) -> bool:
   return True
 
 
-DECODERS = ("gpt", "llama")  # model kinds with heads, a layer stack and a pipeline form
-
-
 def check(shape: tuple[int, int, int], cfg: Config, n_devices: int) -> None:
   """Every degree against the devices and the model, one message naming all of them."""
   d, m, p = shape
@@ -52,7 +51,8 @@ def check(shape: tuple[int, int, int], cfg: Config, n_devices: int) -> None:
   micro = tc.batch_size // tc.grad_accum
   if micro % d:
     problems.append(f"train.batch_size/train.grad_accum={micro} is not divisible by data={d}")
-  if mc.kind in DECODERS:
+  decoder = kinds.get(mc.kind).decoder
+  if decoder:
     kv = mc.n_kv_heads or mc.n_heads
     for name, value in (("model.n_heads", mc.n_heads), ("model.n_kv_heads", kv),
                         ("model.d_ff", mc.d_ff), ("model.vocab_size", mc.vocab_size)):
@@ -63,7 +63,7 @@ def check(shape: tuple[int, int, int], cfg: Config, n_devices: int) -> None:
       problems.append(f"model.n_layers={mc.n_layers} is not divisible by {stages} pipeline stages")
   elif p > 1:
     problems.append(f"model.kind={mc.kind} has no layers to pipeline, use pipeline=1")
-  if pc.sequence_parallel and mc.kind in DECODERS and mc.seq_len % m:
+  if pc.sequence_parallel and decoder and mc.seq_len % m:
     problems.append(f"model.seq_len={mc.seq_len} is not divisible by model={m}, which sequence "
                     "parallelism splits it over")
   n_micro = microbatches(cfg, p)

@@ -10,7 +10,7 @@ The split is read back from the trace the profiler wrote (its `.xplane.pb`, thro
 (waiting for peers included) and the time covered by every other op of the step's program.
 Whatever of the wall-clock step neither covers is `other` (host work, dispatch, idle). Where the
 trace holds no op events, the split is estimated from the compiled HLO instead (collective bytes
-over link bandwidth against FLOPs over peak FLOP/s, jaxpar.autoplan's model) and says so.
+over link bandwidth against FLOPs over peak FLOP/s, jaxpar.planning.autoplan's model) and says so.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import re
 import time
 from typing import Any
 
-from jaxpar import hlo
+from jaxpar.analysis import devices, hlo
 from jaxpar.config import ConfigError
 
 _COLLECTIVE = re.compile(r"^(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all|"
@@ -260,11 +260,10 @@ def estimate_from_hlo(compiled: Any, trainer: Any, step_s: float) -> dict:
   """{'compute_s', 'collective_s'}: the measured step split in the ratio the compiled program
   predicts (FLOPs / peak against collective link bytes / link bandwidth)."""
   import jax
-  from jaxpar import autoplan
   mesh = trainer.mesh
-  kind = next((k for k in autoplan.DEVICE_KINDS if k in jax.devices()[0].device_kind.lower()),
+  kind = next((k for k in devices.DEVICE_KINDS if k in jax.devices()[0].device_kind.lower()),
               "cpu")
-  rates = autoplan.rates(kind, mesh.size)
+  rates = devices.rates(kind, mesh.size)
   sent = sum(hlo.sent_bytes(compiled.as_text(), mesh.size).values())
   flops = trainer.model.flops_per_example * trainer.cfg.train.batch_size / mesh.size
   compute, comm = flops / rates.flops, sent / rates.link

@@ -11,8 +11,6 @@ import dataclasses
 import math
 import os
 import shutil
-import signal
-import sys
 import time
 from typing import Any
 
@@ -20,14 +18,18 @@ import jax
 import numpy as np
 
 from jaxpar import config as jconfig
-from jaxpar import distributed as jdistributed
-from jaxpar import hlo
-from jaxpar import mesh as jmesh
-from jaxpar import metrics as jmetrics
-from jaxpar import model as jmodel
-from jaxpar import profile as jprofile
+from jaxpar import data as jdata
+from jaxpar.analysis import hlo
+from jaxpar.analysis import profile as jprofile
 from jaxpar.config import Config, ConfigError
-from jaxpar.step import Trainer
+from jaxpar.models import hf_weights
+from jaxpar.models.registry import build_model
+from jaxpar.parallel import distributed as jdistributed
+from jaxpar.parallel import mesh as jmesh
+from jaxpar.train import checkpoint as jckpt
+from jaxpar.train import metrics as jmetrics
+from jaxpar.train import preemption
+from jaxpar.train.step import Trainer
 
 
 @dataclasses.dataclass
@@ -40,16 +42,6 @@ class RunResult:
   summary: dict
 
 
-def build_model(cfg: Config) -> jmodel.ModelDef:
-  """The ModelDef for `model.kind`."""
-  if cfg.model.kind in jmesh.DECODERS:
-    return jmodel.decoder(cfg)
-  if cfg.model.kind == "cnn":
-    from jaxpar.models import cnn
-    return cnn.model_def(cfg)
-  raise ConfigError(f"model.kind={cfg.model.kind!r} is not one of gpt, llama, cnn")
-
-
 def prepare(cfg: Config, mesh_shape: tuple[int, int, int]) -> Trainer:
   """Checks every degree against the devices and builds the trainer (nothing is written)."""
   if cfg.parallel.virtual_stages > 1 and cfg.parallel.schedule != "circular":
@@ -58,95 +50,6 @@ def prepare(cfg: Config, mesh_shape: tuple[int, int, int]) -> Trainer:
   jmesh.check(mesh_shape, cfg, len(devices))
   mesh = jmesh.make(mesh_shape, devices)
   return Trainer(cfg, mesh, build_model(cfg))
-
-
-class _StopFlag:
-  """SIGTERM / SIGINT ask the loop to finish the current step, checkpoint and exit cleanly."""
-
-  def __init__(self):
-    self.requested: signal.Signals | None = None
-    self._old = {}
-
-  def __enter__(self):
-    from jaxpar.cli import pending_interrupt  # a signal that reached startup but was lost there
-    self.requested = pending_interrupt()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-      try:
-        self._old[sig] = signal.signal(sig, self._handle)
-      except ValueError:  # not the main thread: leave signals alone
-        pass
-    return self
-
-  def _handle(self, signum, frame):
-    self.requested = signal.Signals(signum)
-
-  def __exit__(self, *exc):
-    for sig, old in self._old.items():
-      signal.signal(sig, old)
-
-
-class _StopVote:
-  """Agrees across processes on when to stop: a signal may reach only some of them.
-
-  After every step each process puts its requested signal (0: none) on its devices, and a jitted
-  all-gather over `mesh` (one int32 per device) replicates everyone's. The result is read one step
-  later: by then it has finished behind the previous step, so the host waits only for that step,
-  with the next one already queued, and never for the step just dispatched. Every process reads
-  the same exchange after the same step, so all stop there and save together. Checking every
-  step costs one tiny collective beside the step's own, and acts on a signal within two steps.
-  """
-
-  def __init__(self, mesh):
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    self.owners = [d.process_index for d in mesh.devices.flat]  # process of each element
-    self.sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))  # element i on devices.flat[i]
-    self.gather = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
-    self.pending = None  # the exchange sent after the previous step
-
-  def _send(self, value: int) -> jax.Array:
-    mine = np.array([value], np.int32)
-    return self.gather(jax.make_array_from_callback((len(self.owners),), self.sharding,
-                                                    lambda _: mine))
-
-  def __call__(self, local: signal.Signals | None) -> dict[int, signal.Signals]:
-    """Sends `local`; returns {process: signal} of the processes that asked one exchange ago."""
-    seen, self.pending = self.pending, self._send(int(local or 0))
-    if seen is None:
-      return {}
-    return {p: signal.Signals(int(s)) for p, s in zip(self.owners, np.asarray(seen)) if s}
-
-  def until_saved(self, saving) -> None:
-    """Returns once no process has a save in flight (`saving()`: this process's).
-
-    orbax would wait too, at a barrier of JAX's coordination service, which notices a dead process
-    only after the heartbeat timeout (100 s by default) and then aborts this one with a C++ stack
-    trace. This exchange is a collective: a dead process fails it at once, as a lost peer. Every
-    process sees the same answers, so all make the same exchanges.
-    """
-    while np.asarray(self._send(int(saving()))).any():
-      time.sleep(0.02)
-
-
-def _say_stopped(asked: dict[int, signal.Signals], own: signal.Signals | None, step: int,
-                 log) -> None:
-  """Says why this process stopped at `step`: through `log`, or to stderr where that is None.
-
-  Every process says it, not only the main one that logs: the signal may have reached any of them.
-  """
-  saved = f"saved a checkpoint at step {step}; run again to resume"
-  pi = jax.process_index()
-  if jax.process_count() == 1:
-    text = f"received {asked[pi].name}: {saved}"
-  elif own is not None:
-    text = f"process {pi} received {own.name}: {saved}"
-  else:
-    first = min(asked)
-    text = (f"process {pi} stops at step {step} because process {first} received "
-            f"{asked[first].name}: {saved}")
-  if log is None:
-    print(text, file=sys.stderr, flush=True)
-  else:
-    log(text)
 
 
 def _index_key(index: tuple) -> tuple:
@@ -258,7 +161,6 @@ def resumable(cfg: Config, ckpt_dir: str) -> int | None:
   Raises ConfigError, before anything is built or written, when that checkpoint trained something
   else (another model, data or global batch): resuming it would silently continue the wrong run.
   """
-  from jaxpar import checkpoint as jckpt
   with jckpt.Checkpointer(ckpt_dir, keep=1, every=0) as reader:
     step = reader.latest_step()
   if step is None:
@@ -312,8 +214,6 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
   trainer = prepare(cfg, mesh_shape)
   is_main = jax.process_index() == 0
 
-  from jaxpar import checkpoint as jckpt
-  from jaxpar.data import make_loader
   ckpt_dir = os.path.join(workdir, "checkpoints")
   start = resumable(cfg, ckpt_dir)
   if start is not None and start >= total:
@@ -324,8 +224,8 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
   # and what building it wrote under the workdir (<workdir>/data by default) goes again.
   pi, pc = jax.process_index(), jax.process_count()
   with _undone_on_failure(workdir):
-    batches = make_loader(cfg, workdir, pi, pc)
-    evals = (make_loader(cfg, workdir, pi, pc, split=cfg.data.eval_split, train=False)
+    batches = jdata.make_loader(cfg, workdir, pi, pc)
+    evals = (jdata.make_loader(cfg, workdir, pi, pc, split=cfg.data.eval_split, train=False)
              if cfg.train.eval_every else None)
   os.makedirs(workdir, exist_ok=True)
   ckpt = jckpt.Checkpointer(ckpt_dir, keep=cfg.checkpoint.keep, every=cfg.checkpoint.every)
@@ -341,8 +241,7 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
     skipped[0] = int(extra.get("skipped_steps", 0))
     log(f"resuming from the checkpoint at step {start} in {ckpt.directory}")
   elif cfg.model.init_from:  # a new run from a Hugging Face model folder's weights
-    from jaxpar.interop import hf
-    state, start = trainer.init_with(hf.load_params(
+    state, start = trainer.init_with(hf_weights.load_params(
         cfg.model.init_from, cfg.model, trainer.model.abstract, trainer.state_shardings["params"])), 0
     log(f"initialised from the model folder {cfg.model.init_from}")
   else:
@@ -471,12 +370,12 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
     keep_good(time.perf_counter())
 
   # One process needs no agreement: it stops after the step its own signal lands in.
-  vote = _StopVote(trainer.mesh) if pc > 1 else None
+  vote = preemption.StopVote(trainer.mesh) if pc > 1 else None
   window = jprofile.Window(profile_steps, os.path.join(workdir, "profile")) if profile_steps else None
   loop_t0 = time.perf_counter()
   split.seconds["compile"] = compile_info["compile_s"]
   split.seconds["startup"] = loop_t0 - split.t0 - compile_info["compile_s"]
-  with _StopFlag() as stop, jax.set_mesh(trainer.mesh), watchdog:
+  with preemption.StopFlag() as stop, jax.set_mesh(trainer.mesh), watchdog:
     try:
       while step < total:
         if window:  # the profiler's own start and stop are not step time
@@ -568,7 +467,7 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
 
   split.seconds["steps"] = time.perf_counter() - loop_t0 - split.beside_steps()
   if stopped:
-    _say_stopped(stopped, stop.requested, step, log if is_main else None)
+    preemption.say_stopped(stopped, stop.requested, step, log if is_main else None)
   # A run no longer than its first log interval has no steady-state interval: its rate is then
   # over every step, the first one's warm-up included, and the summary says so.
   with_warmup = not timed_s and warm_s > 0

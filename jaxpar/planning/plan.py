@@ -21,11 +21,14 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import hlo, rules
-from jaxpar import mesh as jmesh
-from jaxpar import model as jmodel
+from jaxpar.analysis import hlo
 from jaxpar.config import Config, to_dict
-from jaxpar.step import Trainer
+from jaxpar.data import batch_spec
+from jaxpar.models import base as jmodel
+from jaxpar.models.registry import build_model
+from jaxpar.parallel import mesh as jmesh
+from jaxpar.parallel import rules
+from jaxpar.train.step import Trainer
 
 
 def spec_str(spec: P, ndim: int) -> str:
@@ -44,13 +47,11 @@ def _full_bytes(leaf: Any) -> int:
 
 
 def _model(cfg: Config) -> jmodel.ModelDef:
-  from jaxpar.loop import build_model  # the same model the training run builds
-  return build_model(cfg)
+  return build_model(cfg)  # the same model the training run builds
 
 
 def _batch_abstract(cfg: Config) -> dict:
   """The global batch the step takes, from the config alone (no data is read)."""
-  from jaxpar.data import batch_spec
   return {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in batch_spec(cfg).items()}
 
 

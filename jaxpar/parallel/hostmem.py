@@ -31,6 +31,8 @@ import os
 import re
 import sys
 
+from jaxpar.config import ConfigError
+
 ENV = "JAXPAR_HOST_MALLOC"  # "auto" (unset), "keep" or "off"; see above
 MODES = ("auto", "keep", "off")
 # glibc's mallopt parameters (malloc.h)
@@ -84,7 +86,6 @@ def configure(local_devices: int | None = None) -> bool:
   if want not in MODES:
     if local_devices is None:  # at import: train.py's setup reports it
       return False
-    from jaxpar.config import ConfigError
     raise ConfigError(f"{ENV}={os.environ[ENV]!r} is not one of {', '.join(MODES)}")
   if want == "off" or not cpu_only():
     return False

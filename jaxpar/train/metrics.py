@@ -1,5 +1,4 @@
-"""Training-loop logging: JSONL metrics, TensorBoard scalars, a progress bar and MFU arithmetic;
-the dependencies' warnings about what jaxpar does on purpose held back (`quiet_absl`).
+"""Training-loop logging: JSONL metrics, TensorBoard scalars, a progress bar and MFU arithmetic.
 
 Only the main process writes. Files and the TensorBoard writer are created on the first line
 written, so a run that fails during setup leaves nothing behind, and every line is flushed, so an
@@ -9,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import math
 import os
 import sys
@@ -17,33 +15,9 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-# Datasheet dense (no sparsity) bf16 tensor-core peaks per device, in FLOP/s. Matched as
-# substrings of the lower-cased `device_kind`, first match wins, so longer names come first
-# ("h100 pcie" before "h100", "l40s" before "l40" before "l4").
-_DATASHEET_BF16 = (
-  ("gb200", 2.5e15),
-  ("b200", 2.25e15),
-  ("b100", 1.75e15),
-  ("h200 nvl", 835e12),
-  ("h200", 989e12),  # also GH200
-  ("h100 pcie", 756e12),
-  ("h100 nvl", 835e12),
-  ("h100", 989e12),  # SXM, e.g. "NVIDIA H100 80GB HBM3"
-  ("h800", 989e12),
-  ("a100", 312e12),
-  ("a800", 312e12),
-  ("l40s", 362e12),
-  ("l40", 181e12),
-  ("l4", 121e12),
-  ("v100", 125e12),  # no bf16: fp16 tensor-core peak
-  ("tesla t4", 65e12),  # no bf16: fp16 tensor-core peak
-  ("mi300x", 1307e12),
-)
-
-_PEAK_CACHE: dict[tuple[str, str, int], tuple[float, str]] = {}
+from jaxpar.analysis import devices
 
 
 def model_flops_per_token(n_params_nonembedding: int, n_layers: int, d_model: int,
@@ -58,51 +32,9 @@ def mfu(tokens_per_sec: float, flops_per_token: float, peak_flops_per_device: fl
   return tokens_per_sec * flops_per_token / (peak_flops_per_device * n_devices)
 
 
-def _best_matmul_flops(device: Any, n: int, dtype: Any, repeats: int) -> float:
-  """Best FLOP/s of an n×n @ n×n matmul on `device` over `repeats` timed runs after a warm-up."""
-  a = jax.device_put(jnp.ones((n, n), dtype), device)
-  b = jax.device_put(jnp.ones((n, n), dtype), device)
-  matmul = jax.jit(jnp.matmul)
-  matmul(a, b).block_until_ready()  # compile and warm caches outside the timing
-  best = math.inf
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    matmul(a, b).block_until_ready()
-    best = min(best, time.perf_counter() - t0)
-  return 2.0 * n ** 3 / best
-
-
 def peak_flops_per_device() -> tuple[float, str]:
-  """(peak FLOP/s of one local device, where the number came from); measured once per process.
-
-  GPUs use the datasheet dense bf16 peak for their `device_kind`; unknown accelerators are
-  measured with a bf16 matmul. On CPU the host peak is measured with an fp32 1024³ matmul on one
-  device (XLA:CPU spreads it over all cores) and divided by the number of local CPU devices,
-  because simulated devices (--xla_force_host_platform_device_count) share those cores.
-  """
-  device = jax.local_devices()[0]
-  n_local = len(jax.local_devices(backend=device.platform))
-  key = (device.platform, device.device_kind, n_local)
-  if key in _PEAK_CACHE:
-    return _PEAK_CACHE[key]
-  kind = device.device_kind
-  if device.platform == "cpu":
-    host = _best_matmul_flops(device, 1024, jnp.float32, repeats=5)
-    peak = host / n_local
-    devices = f"{n_local} local device" + ("s" if n_local > 1 else "")
-    source = (f"measured fp32 matmul peak of this CPU host ({host / 1e9:.1f} GFLOP/s) divided "
-              f"among {devices}: {peak / 1e9:.1f} GFLOP/s per device")
-  else:
-    lowered = kind.lower()
-    match = next(((name, v) for name, v in _DATASHEET_BF16 if name in lowered), None)
-    if match is not None:
-      peak = match[1]
-      source = f"datasheet dense bf16 peak of {kind}: {peak / 1e12:.0f} TFLOP/s"
-    else:
-      peak = _best_matmul_flops(device, 8192, jnp.bfloat16, repeats=10)
-      source = f"measured bf16 matmul peak of this {kind}: {peak / 1e12:.1f} TFLOP/s"
-  _PEAK_CACHE[key] = (peak, source)
-  return peak, source
+  """(peak FLOP/s of one local device, where the number came from): see jaxpar.analysis.devices."""
+  return devices.peak_flops_per_device()
 
 
 def device_peak_memory_bytes() -> int | None:
@@ -293,19 +225,6 @@ def _profile_line(p: dict[str, Any]) -> str:
   return (f"profile steps {a}-{b} (trace in {p['trace_dir']}): step {ms('step_s')} = compute "
           f"{ms('compute_s')} + collectives {ms('collective_s')} ({share:.0%}) + other "
           f"{ms('other_s')}; {how}")
-
-
-@contextlib.contextmanager
-def quiet_absl():
-  """absl's warnings held back for a block: orbax and TFDS warn through absl about what jaxpar
-  does on purpose (a read-only checkpoint manager, a dataset built from a local folder)."""
-  log = logging.getLogger("absl")
-  level = log.level
-  log.setLevel(logging.ERROR)
-  try:
-    yield
-  finally:
-    log.setLevel(level)
 
 
 def _missing(package: str, consequence: str) -> None:

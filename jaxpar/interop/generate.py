@@ -30,14 +30,18 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import checkpoint, export, precision, zero
 from jaxpar import config as jconfig
-from jaxpar import mesh as jmesh
-from jaxpar import model as jmodel
+from jaxpar import kinds
 from jaxpar.config import ConfigError
 from jaxpar.data import SEPARATOR, VOCAB_SIZE, tokenize
-from jaxpar.models import decoder, gpt, kvcache, llama
-from jaxpar.step import Trainer
+from jaxpar.data.windows import end_of_text_id
+from jaxpar.interop import export
+from jaxpar.models import decoder, gpt, kvcache, llama, precision
+from jaxpar.models import registry as jmodel
+from jaxpar.parallel import mesh as jmesh
+from jaxpar.parallel import zero
+from jaxpar.train import checkpoint, loop
+from jaxpar.train.step import Trainer
 
 
 def _overridden(cfg: jconfig.Config, overrides) -> jconfig.Config:
@@ -64,8 +68,7 @@ class Codec:
     self.tokenizer = None
     self.eos, self.vocab = SEPARATOR, VOCAB_SIZE
     if path:
-      from jaxpar.data.tfds_source import load_tokenizer
-      from jaxpar.data.windows import end_of_text_id
+      from jaxpar.data.tfds_source import load_tokenizer  # TFDS and grain: only with a tokenizer
       self.tokenizer = load_tokenizer(path)
       self.eos, self.vocab = end_of_text_id(self.tokenizer), self.tokenizer.get_vocab_size()
 
@@ -221,7 +224,6 @@ class Sampler:
   def __init__(self, workdir: str, mesh_shape: tuple[int, int, int] = (1, 1, 1),
                step: int | None = None, overrides=()):
     """Restores a checkpoint's parameters sharded, as the config stored with it lays them out."""
-    from jaxpar import loop
     directory, self.step = export.checkpoint_step(workdir, step)
     with checkpoint.readable(directory, self.step, export.STEP_REMEDY):
       stored = checkpoint.read_extra(directory, self.step).get("config")
@@ -383,6 +385,6 @@ def _first(row: np.ndarray, token: int) -> int:
 
 
 def _check_kind(cfg: jconfig.Config) -> None:
-  if cfg.model.kind not in jmesh.DECODERS:
+  if cfg.model.kind not in kinds.DECODERS:
     raise ConfigError(f"model.kind={cfg.model.kind!r} does not generate text; only "
-                      f"{' and '.join(jmesh.DECODERS)} do")
+                      f"{' and '.join(kinds.DECODERS)} do")

@@ -19,12 +19,15 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import optim, pipeline, precision, rules, zero
 from jaxpar.config import Config, ConfigError, microbatches
-from jaxpar import model as jmodel
-from jaxpar.model import ModelDef
+from jaxpar.models import base as jmodel
+from jaxpar.models import precision
+from jaxpar.models.base import ModelDef
+from jaxpar.parallel import mesh as jmesh
+from jaxpar.parallel import pipeline, rules, zero
+from jaxpar.train import optim
 
-PIPE = "pipeline"
+PIPE = jmesh.PIPE
 # A loss_fn metric with this name is the loss's denominator in its piece of the batch (e.g. the
 # unmasked tokens of a masked mean). Pieces (data shards, accumulated microbatches) then combine
 # as sum(weight * loss) / sum(weight), the global batch's loss, instead of a mean of their means,

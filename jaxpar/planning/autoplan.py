@@ -22,78 +22,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from typing import Any, Callable, Sequence
 
-import numpy as np
-
 from jaxpar import config as jconfig
-from jaxpar import mesh as jmesh
-from jaxpar import pipeline
+from jaxpar.analysis.devices import DEVICE_KINDS, Rates, rates  # noqa: F401 (the planner's rates)
 from jaxpar.config import Config, ConfigError
+from jaxpar.parallel import mesh as jmesh
+from jaxpar.parallel import pipeline
+from jaxpar.planning import plan
 
-DEVICE_KINDS = ("cpu", "h100", "h200", "a100")
 SCHEDULES = ("gpipe", "1f1b", "circular")
-# Per GPU (SXM parts), from NVIDIA's datasheets: dense bf16 tensor-core FLOP/s (no sparsity), the
-# NVLink bandwidth in one direction (half the bidirectional total the datasheets quote), and HBM.
-#   H100 SXM5: 989 TFLOP/s, NVLink 4 900 GB/s, 80 GB HBM3   (NVIDIA H100 Tensor Core GPU datasheet)
-#   H200 SXM:  989 TFLOP/s, NVLink 900 GB/s, 141 GB HBM3e   (NVIDIA H200 Tensor Core GPU datasheet)
-#   A100 SXM 80GB: 312 TFLOP/s, NVLink 3 600 GB/s, 80 GB HBM2e (NVIDIA A100 Tensor Core GPU datasheet)
-_DATASHEETS = {
-    "h100": (989e12, 450e9, 80e9, "NVIDIA H100 SXM datasheet"),
-    "h200": (989e12, 450e9, 141e9, "NVIDIA H200 SXM datasheet"),
-    "a100": (312e12, 300e9, 80e9, "NVIDIA A100 SXM 80GB datasheet"),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Rates:
-  """What one device does per second and holds: the denominators of the prediction."""
-  kind: str
-  flops: float  # FLOP/s
-  link: float  # bytes/s one device sends
-  memory: float  # bytes
-  source: str
-
-
-def memcpy_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
-  """Best bytes/s of one numpy copy of `nbytes` on this host: simulated devices' collectives are
-  copies between buffers of one process."""
-  src = np.ones(nbytes // 8)
-  dst = np.empty_like(src)
-  best = math.inf
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    np.copyto(dst, src)
-    best = min(best, time.perf_counter() - t0)
-  return nbytes / best
-
-
-def rates(kind: str, n_devices: int) -> Rates:
-  """Rates of one of `n_devices` devices of `kind`: datasheet figures for GPUs, measured on CPU.
-
-  Simulated CPU devices share the host: its measured matmul FLOP/s, memcpy bandwidth and physical
-  memory are divided by `n_devices`.
-  """
-  if kind in _DATASHEETS:
-    flops, link, memory, sheet = _DATASHEETS[kind]
-    return Rates(kind, flops, link, memory,
-                 f"{sheet}: {flops / 1e12:.0f} TFLOP/s dense bf16, NVLink {link / 1e9:.0f} GB/s "
-                 f"each way, {memory / 1e9:.0f} GB")
-  if kind != "cpu":
-    raise ConfigError(f"--device-kind {kind!r} is not one of {', '.join(DEVICE_KINDS)}")
-  import jax
-  from jaxpar import metrics
-  per_local, _ = metrics.peak_flops_per_device()
-  host_flops = per_local * len(jax.local_devices())
-  host_link = memcpy_bandwidth()
-  host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  n = n_devices
-  return Rates("cpu", host_flops / n, host_link / n, host_memory / n,
-               f"this host, measured: fp32 matmul {host_flops / 1e9:.1f} GFLOP/s, memcpy "
-               f"{host_link / 1e9:.1f} GB/s, {host_memory / 1e9:.1f} GB of memory, each shared by "
-               f"{n} simulated devices")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +145,6 @@ class ModelFacts:
   def of(cfg: Config, n_params: float | None = None) -> ModelFacts:
     """From the model `cfg` builds (abstract shapes only); `n_params` overrides its count, and
     then the FLOPs are 6 N per token (plus the attention term of DESIGN's definition)."""
-    from jaxpar import plan
     import jax
     model = plan._model(cfg)
     count = sum(math.prod(a.shape) for a in jax.tree_util.tree_leaves(model.abstract))
@@ -261,7 +199,6 @@ def estimate(cfg: Config, lay: Layout, facts: ModelFacts, r: Rates,
 
 def evaluate(cfg: Config, lay: Layout, facts: ModelFacts, r: Rates, devices: Sequence[Any]) -> dict:
   """The compiled prediction for one layout: plan.plan's peak bytes and collectives."""
-  from jaxpar import plan
   report = plan.plan(lay.apply(cfg), lay.mesh, devices)
   d, m, p = lay.mesh
   coll = report["collectives"]

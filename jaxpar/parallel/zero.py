@@ -22,8 +22,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
+from jaxpar.parallel import mesh as jmesh
 
-DATA = "data"
+DATA = jmesh.DATA
 HOST = "pinned_host"
 # Name of every all-gathered parameter: `regather`'s checkpoint policy does not save these, so the
 # backward re-gathers a layer instead of keeping the whole stack unsharded until then.

@@ -17,10 +17,10 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-import jaxpar
-from jaxpar import checkpoint
 from jaxpar.config import ConfigError, RunError
-from jaxpar.rules import path_str
+from jaxpar.parallel.rules import path_str
+from jaxpar.train import checkpoint
+from jaxpar.version import __version__
 
 SUFFIX = ".safetensors"
 
@@ -143,12 +143,12 @@ def export(workdir: str, out: str, step: int | None = None) -> dict:
     shapes = {name: (tuple(m.shape), m.dtype)
               for name, m in sorted(checkpoint.stored_params(directory, step).items())}
     cfg = checkpoint.read_extra(directory, step).get("config", {})
-    info = {"jaxpar_version": jaxpar.__version__, "step": step, "model": cfg.get("model", {}),
+    info = {"jaxpar_version": __version__, "step": step, "model": cfg.get("model", {}),
             "param_dtype": cfg.get("precision", {}).get("param_dtype"),
             "n_params": int(sum(np.prod(shape) for shape, _ in shapes.values())),
             "n_tensors": len(shapes)}
     write_safetensors(shapes, lambda name: checkpoint.read_param(directory, step, name), out,
-                      {"format": "jaxpar", "jaxpar_version": jaxpar.__version__,
+                      {"format": "jaxpar", "jaxpar_version": __version__,
                        "step": str(step)})
   try:
     with writes(config_path(out)), open(config_path(out), "w") as f:

@@ -11,10 +11,13 @@ import tempfile
 import traceback
 
 from jaxpar import config as jconfig
-from jaxpar import hostmem
-from jaxpar import mesh as jmesh
 from jaxpar.config import ConfigError, RunError
-from jaxpar.distributed import DistributedError
+from jaxpar.interop import hf
+from jaxpar.parallel import hostmem
+from jaxpar.parallel import mesh as jmesh
+from jaxpar.parallel.distributed import DistributedError
+from jaxpar.train import preemption
+from jaxpar.train.preemption import Interrupted, _interrupt  # noqa: F401 (guard's handler)
 
 
 class Parser(argparse.ArgumentParser):
@@ -35,9 +38,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 def setup(args, processes: int = 1) -> tuple[jconfig.Config, tuple[int, int, int]]:
   """Parses mesh and config, then (before JAX starts) simulates this process's share of devices
-  and sets the host malloc for that count (jaxpar.hostmem)."""
+  and sets the host malloc for that count (jaxpar.parallel.hostmem)."""
   shape = jmesh.parse(args.mesh)
-  cfg = jconfig.load(args.config, args.set)
+  cfg = jconfig.load(args.config, args.set, base=hf.model_overrides)
   n = shape[0] * shape[1] * shape[2]
   if n % processes:
     raise ConfigError(f"mesh {args.mesh} has {n} devices, which do not split evenly over "
@@ -160,28 +163,6 @@ def _check_writable(flag: str, path: str, kind: str, parent: str) -> None:
     raise ConfigError(f"{flag} {path} cannot be written: {e.strerror} in {where}") from None
 
 
-class Interrupted(BaseException):
-  """SIGINT or SIGTERM before the training loop took them over (it stops after a step, saving)."""
-
-  def __init__(self, sig: signal.Signals):
-    super().__init__(sig)
-    self.signal = sig
-
-
-_pending: list[signal.Signals] = []  # signals raised as Interrupted, in case one was swallowed
-
-
-def pending_interrupt() -> signal.Signals | None:
-  """A signal guard's handler took but whose Interrupted may have been lost: Python drops an
-  exception raised while it runs a garbage-collection callback, so the loop asks here too."""
-  return _pending[-1] if _pending else None
-
-
-def _interrupt(signum, frame):
-  _pending.append(signal.Signals(signum))
-  raise Interrupted(signal.Signals(signum))
-
-
 def guard(body, debug: bool, exit_on_signal: bool = False) -> int:
   """Runs body(); bad input becomes one line on stderr and exit code 2; SIGINT or SIGTERM
   (outside the training loop, which handles them itself) one line and 128 + the signal.
@@ -225,4 +206,4 @@ def guard(body, debug: bool, exit_on_signal: bool = False) -> int:
   finally:
     for sig, handler in old.items():
       signal.signal(sig, handler)
-    _pending.clear()
+    preemption.forget_interrupts()

@@ -6,18 +6,17 @@ reach the trainer the same way, so the rules, ZeRO and the step treat them alike
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
-
-import math
 
 import jax
 import jax.extend.random as jrandom
 import jax.numpy as jnp
 from jax import lax
 
-from jaxpar import rules, zero
 from jaxpar.config import ConfigError
+from jaxpar.parallel import rules, zero
 
 # loss_fn(outputs, batch) -> (scalar loss, dict of scalar metrics); with loss_takes, also the
 # keyword arguments it names (LOSS_EXTRAS)
@@ -300,43 +299,3 @@ def from_linen(module: Any, example_input: Any, loss_fn: LossFn, input_key: Any 
                       dict(mutated.get("intermediates", {})))
   return ModelDef(init=init, loss=loss, logical=logical, abstract=abstract,
                   takes_rng=bool(rng_names) or "rng" in loss_takes)
-
-
-def decoder(cfg) -> ModelDef:
-  """jaxpar's decoders (`model.kind` gpt or llama) in `precision.param_dtype`, each layer under
-  `parallel.remat`'s policy: ZeRO-3 gathers one layer at a time inside the scan; the pipeline
-  form runs any schedule."""
-  from jaxpar import precision
-  from jaxpar.models import decoder as d
-  param_dtype, remat = precision.param_dtype(cfg.precision), cfg.parallel.remat
-  module = _decoders()[cfg.model.kind]
-  mc = cfg.model
-  parts = decoder_parts(mc)
-  base = from_nnx(lambda rngs: module.MODULE(mc, rngs=rngs, param_dtype=param_dtype),
-                  loss_fn=lambda out, batch: (out, {}))
-
-  def loss(params, batch, dtype=jnp.float32, dims=None, manual=frozenset(), rng=None):
-    return d.loss(parts, params, batch, dtype, dims, remat, manual)
-
-  def pipeline(params, micro, sched, dtype=jnp.float32, dims=None, manual=frozenset(), loss_scale=1.0,
-               forward_only=False):
-    return d.pipeline_grads(parts, params, micro, sched, dtype, dims, remat, manual, loss_scale,
-                            forward_only)
-  # DESIGN's model FLOPs per token: 6 N_nonembedding + 12 L D T (causal attention counted in full)
-  flops_tok = 6 * module.n_params_nonembedding(mc) + 12 * mc.n_layers * mc.d_model * mc.seq_len
-  return ModelDef(init=base.init, loss=loss, logical=base.logical, abstract=base.abstract,
-                  tokens_per_example=mc.seq_len, flops_per_example=flops_tok * mc.seq_len,
-                  pipeline=pipeline)
-
-
-gpt = decoder  # the name jaxpar's GPT has always been built by
-
-
-def _decoders() -> dict:
-  from jaxpar.models import gpt as g, llama
-  return {"gpt": g, "llama": llama}
-
-
-def decoder_parts(mc):
-  """The embed / block / head functions of the decoder `mc.kind` (models/decoder.py)."""
-  return _decoders()[mc.kind].parts(mc)

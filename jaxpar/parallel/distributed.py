@@ -20,7 +20,10 @@ import threading
 import time
 import warnings
 
+from jaxpar import config as jconfig
 from jaxpar.config import ConfigError
+from jaxpar.parallel import mesh as jmesh
+from jaxpar.version import __version__
 
 ENV_COORDINATOR = "JAXPAR_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXPAR_NUM_PROCESSES"
@@ -287,10 +290,7 @@ def _flat(tree, prefix: str = "") -> dict[str, str]:
 def fingerprint(cfg, mesh_shape: tuple[int, int, int]) -> dict[str, str]:
   """Everything that must be equal on every process, name -> text."""
   import jax
-
-  import jaxpar
-  from jaxpar import config as jconfig
-  out = {"jaxpar version": jaxpar.__version__, "jax version": jax.__version__,
+  out = {"jaxpar version": __version__, "jax version": jax.__version__,
          "mesh": f"{'x'.join(map(str, mesh_shape))} over {jax.device_count()} devices"}
   out.update(_flat(jconfig.to_dict(cfg)))
   return out
@@ -314,6 +314,7 @@ def preflight(cfg, mesh_shape: tuple[int, int, int]) -> None:
   if jax.process_count() == 1:
     return
   from jax.experimental import multihost_utils
+
   # Processes all-gather a few hashes; when they differ, a second all-gather of one hash per config
   # key names what differs. Every process sees the same hashes, so all take the same branch.
   mine = fingerprint(cfg, mesh_shape)
@@ -345,8 +346,6 @@ def _check_data_layout(mesh_shape: tuple[int, int, int]) -> None:
   # The loader gives process i rows [i*B/P, (i+1)*B/P) of every global batch.
   import jax
   import numpy as np
-
-  from jaxpar import mesh as jmesh
   d, n, procs = mesh_shape[0], int(np.prod(mesh_shape)), jax.process_count()
   if n != jax.device_count():
     return  # mesh.check says this, in its own words

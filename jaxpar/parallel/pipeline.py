@@ -25,11 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar import zero
 from jaxpar.config import ConfigError
+from jaxpar.parallel import mesh as jmesh
+from jaxpar.parallel import zero
 
 IDLE, FWD, BWD = 0, 1, 2
-PIPE = "pipeline"
+PIPE = jmesh.PIPE
 
 
 @dataclasses.dataclass(frozen=True)

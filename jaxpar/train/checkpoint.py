@@ -20,8 +20,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxpar.config import ConfigError, RunError
-from jaxpar.metrics import quiet_absl
-from jaxpar.rules import path_str
+from jaxpar.logs import quiet_absl
+from jaxpar.parallel.rules import path_str
 
 STATE, EXTRA = "state", "extra"
 

@@ -1,0 +1,128 @@
+"""Hugging Face decoder weights in jaxpar's parameter layout: the name tables between jaxpar's
+decoders and GPT2LMHeadModel / LlamaForCausalLM, and reading a folder's safetensors straight onto
+a sharded state (`load_params`), one jaxpar tensor at a time. The folder's config.json, tokenizer
+and the way back out are interop/hf.py's.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jaxpar.config import ConfigError
+from jaxpar.parallel.rules import path_str
+
+
+def _read_json(path: str) -> dict:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    raise ConfigError(f"{path} does not exist: a Hugging Face model folder holds config.json "
+                      f"and *.safetensors") from None
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"{path} is not valid JSON ({e})") from None
+
+
+# jaxpar parameter -> (Hugging Face tensor name with {i} for the layer, transform). A transform
+# takes the HF tensor and returns jaxpar's; `split(a, b)` slices GPT-2's joined q/k/v columns.
+def _gpt2_names(mc) -> dict[str, tuple[str, Callable]]:
+  D = mc.d_model
+  same = lambda x: x
+  cols = lambda a, b: (lambda x: x[..., a * D:b * D])
+  h = "transformer.h.{i}."
+  names = {
+      "wte": ("transformer.wte.weight", same), "wpe": ("transformer.wpe.weight", same),
+      "lnf_scale": ("transformer.ln_f.weight", same), "lnf_bias": ("transformer.ln_f.bias", same),
+      "layers/ln1_scale": (h + "ln_1.weight", same), "layers/ln1_bias": (h + "ln_1.bias", same),
+      "layers/wq": (h + "attn.c_attn.weight", cols(0, 1)),
+      "layers/wk": (h + "attn.c_attn.weight", cols(1, 2)),
+      "layers/wv": (h + "attn.c_attn.weight", cols(2, 3)),
+      "layers/bq": (h + "attn.c_attn.bias", cols(0, 1)),
+      "layers/bv": (h + "attn.c_attn.bias", cols(2, 3)),
+      "layers/wo": (h + "attn.c_proj.weight", same), "layers/bo": (h + "attn.c_proj.bias", same),
+      "layers/ln2_scale": (h + "ln_2.weight", same), "layers/ln2_bias": (h + "ln_2.bias", same),
+      "layers/w1": (h + "mlp.c_fc.weight", same), "layers/b1": (h + "mlp.c_fc.bias", same),
+      "layers/w2": (h + "mlp.c_proj.weight", same), "layers/b2": (h + "mlp.c_proj.bias", same),
+  }
+  if not mc.tie_embeddings:
+    names["head"] = ("lm_head.weight", np.transpose)
+  return names
+
+
+def _llama_names(mc) -> dict[str, tuple[str, Callable]]:
+  same, t = (lambda x: x), np.transpose  # torch Linear weights are (out, in)
+  h = "model.layers.{i}."
+  names = {
+      "wte": ("model.embed_tokens.weight", same), "norm": ("model.norm.weight", same),
+      "layers/attn_norm": (h + "input_layernorm.weight", same),
+      "layers/wq": (h + "self_attn.q_proj.weight", t), "layers/wk": (h + "self_attn.k_proj.weight", t),
+      "layers/wv": (h + "self_attn.v_proj.weight", t), "layers/wo": (h + "self_attn.o_proj.weight", t),
+      "layers/mlp_norm": (h + "post_attention_layernorm.weight", same),
+      "layers/w_gate": (h + "mlp.gate_proj.weight", t), "layers/w_up": (h + "mlp.up_proj.weight", t),
+      "layers/w_down": (h + "mlp.down_proj.weight", t),
+  }
+  if not mc.tie_embeddings:
+    names["head"] = ("lm_head.weight", t)
+  return names
+
+
+def names(mc) -> dict[str, tuple[str, Callable]]:
+  """jaxpar parameter path -> (HF tensor name, '{i}' for the layer; HF -> jaxpar transform)."""
+  return _gpt2_names(mc) if mc.kind == "gpt" else _llama_names(mc)
+
+
+class Folder:
+  """The tensors of a model folder's safetensors files, opened lazily and read one at a time."""
+
+  def __init__(self, folder: str):
+    self.folder = folder
+    index = os.path.join(folder, "model.safetensors.index.json")
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.exists(index):
+      self.files = {name: os.path.join(folder, f) for name, f in _read_json(index)["weight_map"].items()}
+    elif os.path.exists(single):
+      from safetensors import safe_open  # the optional dependency only a model folder needs
+      with safe_open(single, framework="numpy") as f:
+        self.files = {name: single for name in f.keys()}
+    else:
+      raise ConfigError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
+
+  def read(self, name: str) -> np.ndarray:
+    """One tensor; GPT-2 names are found with or without their `transformer.` prefix."""
+    from safetensors import safe_open  # the optional dependency only a model folder needs
+    key = name if name in self.files else name.removeprefix("transformer.")
+    if key not in self.files:
+      raise ConfigError(f"{self.folder} has no tensor {name}")
+    with safe_open(self.files[key], framework="numpy") as f:
+      return f.get_tensor(key)
+
+
+def read_param(folder: Folder, path: str, mc, want: tuple[int, ...]) -> np.ndarray:
+  """jaxpar parameter `path` (shape `want`) from the folder: layers stacked, transforms applied."""
+  hf_name, transform = names(mc)[path]
+  if "{i}" in hf_name:
+    x = np.stack([transform(folder.read(hf_name.format(i=i))) for i in range(mc.n_layers)])
+  else:
+    x = transform(folder.read(hf_name))
+  if tuple(x.shape) != tuple(want):
+    where = hf_name.format(i=0) if "{i}" in hf_name else hf_name
+    raise ConfigError(f"{folder.folder}: tensor {where} gives {path} the shape {tuple(x.shape)}, "
+                      f"but config.json makes {tuple(want)}")
+  return x
+
+
+def load_params(folder: str, mc, abstract: Any, shardings: Any) -> Any:
+  """The folder's parameters as jaxpar's tree, each put onto its sharding as soon as it is read."""
+  src = Folder(folder)
+  missing = sorted(set(names(mc)) - {path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(abstract)})
+  if missing:
+    raise ConfigError(f"jaxpar's model has no parameter {missing[0]} for {folder}")
+
+  def one(path, a, sharding):
+    x = read_param(src, path_str(path), mc, a.shape).astype(a.dtype)
+    return jax.make_array_from_callback(a.shape, sharding, lambda index: x[index])
+  return jax.tree_util.tree_map_with_path(one, abstract, shardings)
