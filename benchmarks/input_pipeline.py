@@ -33,7 +33,7 @@ import tensorflow_datasets as tfds  # noqa: E402
 
 from jaxpar import config as jconfig  # noqa: E402
 from jaxpar.data import make_loader, tfds_source  # noqa: E402
-from jaxpar.train import loop  # noqa: E402
+from jaxpar.train import hooks, loop  # noqa: E402
 from jaxpar.train.step import Trainer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the helpers beside this file
@@ -71,7 +71,7 @@ def step_rate(cfg, mesh_shape, workdir: str, steps: int, repeats: int = 3) -> di
   it = make_loader(cfg, workdir)
   abstract = loop._batch_abstract(it.element_spec, jax.process_count())
   shardings = trainer.batch_sharding(abstract)
-  batch = loop._global_batch(it.next(), shardings)
+  batch = hooks.global_batch(it.next(), shardings)
   it.close()
   compiled = trainer.lower(abstract).compile()
   state = trainer.init(cfg.train.seed)
