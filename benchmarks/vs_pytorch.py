@@ -43,6 +43,7 @@ import numpy as np
 
 from jaxpar import config as jconfig
 from jaxpar.parallel import hostmem
+from jaxpar.parallel.context import StepContext
 from jaxpar.train import optim
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -122,7 +123,7 @@ class TorchProcess:
 def jaxpar_phases(trainer, jstate, jbatch, n):
   """Median seconds of jaxpar's forward and forward+backward alone."""
   params = jax.tree_util.tree_map(jnp.copy, jstate["params"])
-  loss = lambda p, b: trainer.model.loss(p, b, trainer.compute_dtype)[0]
+  loss = lambda p, b: trainer.model.loss(p, b, StepContext(trainer.compute_dtype))[0]
   fwd = jax.jit(loss)
   fwd_bwd = jax.jit(jax.value_and_grad(loss))
   return {"forward": _torch_gpt2.timed(lambda: fwd(params, jbatch).block_until_ready(), n),

@@ -40,6 +40,7 @@ from jaxpar.models import decoder, gpt, kvcache, llama, precision
 from jaxpar.models import registry as jmodel
 from jaxpar.parallel import mesh as jmesh
 from jaxpar.parallel import zero
+from jaxpar.parallel.context import StepContext
 from jaxpar.train import checkpoint, loop
 from jaxpar.train.step import Trainer
 
@@ -162,7 +163,8 @@ def decode_fn(cfg: jconfig.Config, n_prompt: int, n_new: int, batch: int, cache:
 
   def recompute(params, tokens, origin, ahead):
     """Logits (B, V) of the token at index `ahead` from the window origin..ahead-1 of each row."""
-    logits = decoder.forward(full_parts, params, _rows(tokens, origin, T), dtype)  # (B, T, V)
+    logits = decoder.forward(full_parts, params, _rows(tokens, origin, T),
+                             StepContext(dtype))  # (B, T, V)
     # Causal attention: the window's tokens from `ahead` on do not change these logits.
     return jnp.take_along_axis(logits, (ahead - 1 - origin)[:, None, None], axis=1)[:, 0]
 

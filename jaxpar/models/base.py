@@ -1,8 +1,9 @@
 """What the trainer needs from a model, and adapters from Flax NNX and Flax Linen modules.
 
 A `ModelDef` is pure: `init(key) -> params` (a plain nested dict of arrays), `loss(params, batch,
-...)`, and the logical axes of every parameter. jaxpar's own models and a user's Flax module
-reach the trainer the same way, so the rules, ZeRO and the step treat them alike.
+ctx)`, and the logical axes of every parameter. jaxpar's own models and a user's Flax module
+reach the trainer the same way, so the rules, ZeRO and the step treat them alike; what the step
+decides (compute dtype, ZeRO-3 shards, manual mesh axes) reaches the model as one `StepContext`.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from jax import lax
 
 from jaxpar.config import ConfigError
 from jaxpar.parallel import rules, zero
+from jaxpar.parallel.context import StepContext
 
 # loss_fn(outputs, batch) -> (scalar loss, dict of scalar metrics); with loss_takes, also the
 # keyword arguments it names (LOSS_EXTRAS)
@@ -26,15 +28,16 @@ LOSS_EXTRAS = ("params", "rng", "aux")
 
 @dataclass(frozen=True)
 class ModelDef:
-  """init(key) -> params; loss(params, batch, dtype, dims, manual) -> (loss, metrics); logical axes."""
+  """init(key) -> params; loss(params, batch, ctx=StepContext(), rng=None) -> (loss, metrics),
+  `ctx` the step's dtype, ZeRO-3 dims and manual axes (parallel/context.py); logical axes."""
   init: Callable[[jax.Array], Any]
   loss: Callable[..., tuple[jax.Array, dict]]
   logical: Any  # same tree as params; each leaf a tuple of logical axis names (or None)
   abstract: Any  # same tree; jax.ShapeDtypeStruct leaves
   tokens_per_example: int = 0  # for tokens/s; 0 = not a sequence model
   flops_per_example: float = 0.0  # training FLOPs of one example (MFU); 0 = unknown
-  # (params, micro, schedule, dtype, dims, manual, loss_scale, forward_only) -> (loss, metrics,
-  # grads of loss_scale * loss, or None when forward_only); None = no pipeline
+  # (params, micro, schedule, ctx, loss_scale=1.0, forward_only=False) -> (loss, metrics, grads of
+  # loss_scale * loss, or None when forward_only); None = no pipeline
   pipeline: Callable[..., tuple[jax.Array, dict, Any]] | None = None
   # loss(..., rng=key) takes the step's key (train_key) for the piece of the batch it is given;
   # rng=None (eval) runs deterministic
@@ -230,8 +233,9 @@ def from_nnx(factory: Callable[..., Any], loss_fn: LossFn, input_key: Any = "x",
       return jax.random.wrap_key_data(jnp.zeros(a.shape + (2,), _U32), impl="threefry2x32")
     return jnp.zeros(a.shape, a.dtype)
 
-  def loss(params, batch, dtype=jnp.float32, dims=None, manual=frozenset(), rng=None):
-    params = cast(zero.gather(params, dims), dtype)
+  def loss(params, batch, ctx=StepContext(), rng=None):
+    dtype = ctx.dtype
+    params = cast(zero.gather(params, ctx.dims), dtype)
     streams = jax.tree_util.tree_map(placeholder, rng_state)
     model = nnx.merge(graphdef, params, streams)
     if rng is None:
@@ -287,8 +291,9 @@ def from_linen(module: Any, example_input: Any, loss_fn: LossFn, input_key: Any 
   def init(key):
     return nn.unbox(init_vars(key)["params"])
 
-  def loss(params, batch, dtype=jnp.float32, dims=None, manual=frozenset(), rng=None):
-    params = cast(zero.gather(params, dims), dtype)
+  def loss(params, batch, ctx=StepContext(), rng=None):
+    dtype = ctx.dtype
+    params = cast(zero.gather(params, ctx.dims), dtype)
     args, kwargs = _arguments(batch, input_key, inputs)
     rngs = {} if rng is None else {n: rng for n in rng_names}
     outputs = module.apply({"params": params}, *_in_dtype(args, dtype), rngs=rngs,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +23,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.config import ModelConfig
 from jaxpar.models import blockwise, decoder, kvcache
 from jaxpar.models.base import ModelDef
+from jaxpar.parallel import tensor
+from jaxpar.parallel.context import StepContext
 from jaxpar.parallel.rules import constrain, is_split
 
 
@@ -185,14 +186,14 @@ def _qkv(p: dict, x: jax.Array, cfg: ModelConfig, manual) -> tuple[jax.Array, ..
     # one partial sum, so the backward needs one all-reduce over `model`, not three.
     wqkv = jnp.concatenate([w("wq").reshape(D, G, R * K), w("wk").reshape(D, G, K),
                             w("wv").reshape(D, G, K)], axis=-1)  # (D, G, (R+2)K)
-    qkv, = decoder.column_parallel(h, [wqkv], manual)
+    qkv, = tensor.column_parallel(h, [wqkv], manual)
     qkv = qkv.reshape(B * T, G, (R + 2) * K)
     q = qkv[..., :R * K].reshape(B * T, H * K)
     k = qkv[..., R * K:(R + 1) * K].reshape(B * T, G * K)
     v = qkv[..., (R + 1) * K:].reshape(B * T, G * K)
   else:  # without tensor parallelism the joined weight would only cost a copy per layer
     q, k, v = (y.reshape(B * T, -1)
-               for y in decoder.column_parallel(h, [w("wq"), w("wk"), w("wv")], manual))
+               for y in tensor.column_parallel(h, [w("wq"), w("wk"), w("wv")], manual))
   q = (q + w("bq")).reshape(B, T, H, K)
   k = k.reshape(B, T, G, K)
   v = (v + w("bv")).reshape(B, T, G, K)
@@ -203,21 +204,23 @@ def _out_mlp(p: dict, x: jax.Array, a: jax.Array, manual) -> jax.Array:
   """Attention's out-projection, residual, pre-norm MLP, residual. x (B, T, D), a (B, T, H, K)."""
   B, T = x.shape[:2]
   w = lambda name: p[name].astype(x.dtype)
-  a = decoder.row_parallel(a.reshape(B, T, -1), w("wo"), manual) + w("bo")
+  a = tensor.row_parallel(a.reshape(B, T, -1), w("wo"), manual) + w("bo")
   x = checkpoint_name(x + a, "mid")
-  h, = decoder.column_parallel(layer_norm(x, p["ln2_scale"], p["ln2_bias"]), [w("w1")], manual)
+  h, = tensor.column_parallel(layer_norm(x, p["ln2_scale"], p["ln2_bias"]), [w("w1")], manual)
   h = jax.nn.gelu(checkpoint_name(h + w("b1"), "mlp_in"))  # (B, T, F)
-  return x + decoder.row_parallel(h, w("w2"), manual) + w("b2")
+  return x + tensor.row_parallel(h, w("w2"), manual) + w("b2")
 
 
-def block(p: dict, x: jax.Array, cfg: ModelConfig, manual=frozenset()) -> jax.Array:
-  """One pre-norm decoder block. p: one layer's weights; x (B, T, D) -> (B, T, D).
+def block(p: dict, x: jax.Array, cfg: ModelConfig, ctx: StepContext = StepContext()) -> jax.Array:
+  """One pre-norm decoder block. p: one layer's weights, whole; x (B, T, D) -> (B, T, D) in x's
+  dtype; `ctx.manual` says which collectives the tensor-parallel matmuls run.
 
   The projections before attention and the MLP after it are checkpoints that keep only `_KEEP`'s
   names; attention, between them, keeps its own residuals, so neither cuDNN's fused kernel nor
   the softmax runs twice. prevent_cse=False: the block runs inside the layer scan, whose forward
   and backward are separate loops that XLA cannot merge anyway.
   """
+  manual = ctx.manual
   q, k, v = jax.checkpoint(lambda p, x: _qkv(p, x, cfg, manual), policy=_NOTHING,
                            prevent_cse=False)(p, x)
   a = attention(q, k, v)  # (B, T, H, K)
@@ -230,7 +233,7 @@ def parts(cfg: ModelConfig) -> decoder.Parts:
   head = head_logits
   if cfg.tie_embeddings:  # the LM head is the token embedding, transposed (GPT-2)
     head = lambda p, x: head_logits({**p, "head": p["wte"].T}, x)
-  return decoder.Parts(embed=embed, block=lambda p, x, manual: block(p, x, cfg, manual), head=head)
+  return decoder.Parts(embed=embed, block=lambda p, x, ctx: block(p, x, cfg, ctx), head=head)
 
 
 def embed(p: dict, tokens: jax.Array, dtype) -> jax.Array:
@@ -242,15 +245,15 @@ def embed(p: dict, tokens: jax.Array, dtype) -> jax.Array:
 
 def head_logits(p: dict, x: jax.Array) -> jax.Array:
   """x (B, T, D) -> logits (B, T, V) in float32 (vocab-parallel head)."""
-  logits, = decoder.column_parallel(layer_norm(x, p["lnf_scale"], p["lnf_bias"]),
-                                    [p["head"].astype(x.dtype)])
+  logits, = tensor.column_parallel(layer_norm(x, p["lnf_scale"], p["lnf_bias"]),
+                                   [p["head"].astype(x.dtype)])
   return logits.astype(jnp.float32)
 
 
-def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, dtype=jnp.float32, dims: Any = None,
-            remat: str = "none", manual=frozenset()) -> jax.Array:
+def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, ctx: StepContext = StepContext(),
+            remat: str = "none") -> jax.Array:
   """tokens (B, T) int -> logits (B, T, V) float32 (decoder.forward)."""
-  return decoder.forward(parts(cfg), params, tokens, dtype, dims, remat, manual)
+  return decoder.forward(parts(cfg), params, tokens, ctx, remat)
 
 
 def embed_at(p: dict, tokens: jax.Array, positions: jax.Array, dtype) -> jax.Array:

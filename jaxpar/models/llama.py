@@ -18,6 +18,8 @@ from jaxpar.config import ModelConfig
 from jaxpar.models import decoder, kvcache
 from jaxpar.models.base import ModelDef
 from jaxpar.models.gpt import attention
+from jaxpar.parallel import tensor
+from jaxpar.parallel.context import StepContext
 from jaxpar.parallel.rules import constrain
 
 
@@ -81,7 +83,7 @@ def _qkv(p: dict, x: jax.Array, cfg: ModelConfig, manual, positions=None) -> tup
   K = D // H
   w = lambda name: p[name].astype(x.dtype)
   h = rms_norm(x, p["attn_norm"], cfg.norm_eps)  # split along seq under sequence parallel
-  q, k, v = decoder.column_parallel(h, [w("wq"), w("wk"), w("wv")], manual)  # over heads
+  q, k, v = tensor.column_parallel(h, [w("wq"), w("wk"), w("wv")], manual)  # over heads
   q = rotary(q.reshape(B, T, H, K), cfg.rope_theta, positions)
   k = rotary(k.reshape(B, T, G, K), cfg.rope_theta, positions)
   v = v.reshape(B, T, G, K)
@@ -93,16 +95,17 @@ def _out_mlp(p: dict, x: jax.Array, a: jax.Array, cfg: ModelConfig, manual) -> j
   a (B, T, H, K) -> (B, T, D)."""
   B, T = x.shape[:2]
   w = lambda name: p[name].astype(x.dtype)
-  x = x + decoder.row_parallel(a.reshape(B, T, -1), w("wo"), manual)
-  gate, up = decoder.column_parallel(rms_norm(x, p["mlp_norm"], cfg.norm_eps),
+  x = x + tensor.row_parallel(a.reshape(B, T, -1), w("wo"), manual)
+  gate, up = tensor.column_parallel(rms_norm(x, p["mlp_norm"], cfg.norm_eps),
                                     [w("w_gate"), w("w_up")], manual)  # over mlp
-  return x + decoder.row_parallel(jax.nn.silu(gate) * up, w("w_down"), manual)
+  return x + tensor.row_parallel(jax.nn.silu(gate) * up, w("w_down"), manual)
 
 
-def block(p: dict, x: jax.Array, cfg: ModelConfig, manual=frozenset()) -> jax.Array:
-  """One pre-norm Llama block. p: one layer's weights; x (B, T, D) -> (B, T, D)."""
-  q, k, v = _qkv(p, x, cfg, manual)
-  return _out_mlp(p, x, attention(q, k, v), cfg, manual)
+def block(p: dict, x: jax.Array, cfg: ModelConfig, ctx: StepContext = StepContext()) -> jax.Array:
+  """One pre-norm Llama block. p: one layer's weights, whole; x (B, T, D) -> (B, T, D) in x's
+  dtype; `ctx.manual` says which collectives the tensor-parallel matmuls run."""
+  q, k, v = _qkv(p, x, cfg, ctx.manual)
+  return _out_mlp(p, x, attention(q, k, v), cfg, ctx.manual)
 
 
 def block_cached(p: dict, x: jax.Array, positions: jax.Array, k_cache: jax.Array,
@@ -125,9 +128,9 @@ def parts(cfg: ModelConfig) -> decoder.Parts:
   """The Llama's functions for decoder.py's scan, loss and pipeline."""
   def head(p: dict, x: jax.Array) -> jax.Array:  # x (B, T, D) -> logits (B, T, V) float32
     w = p["wte"].T if cfg.tie_embeddings else p["head"]  # (D, V), vocab-parallel either way
-    logits, = decoder.column_parallel(rms_norm(x, p["norm"], cfg.norm_eps), [w.astype(x.dtype)])
+    logits, = tensor.column_parallel(rms_norm(x, p["norm"], cfg.norm_eps), [w.astype(x.dtype)])
     return logits.astype(jnp.float32)
-  return decoder.Parts(embed=embed, block=lambda p, x, manual: block(p, x, cfg, manual), head=head)
+  return decoder.Parts(embed=embed, block=lambda p, x, ctx: block(p, x, cfg, ctx), head=head)
 
 
 def cached_parts(cfg: ModelConfig) -> kvcache.CachedParts:

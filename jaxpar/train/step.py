@@ -25,6 +25,7 @@ from jaxpar.models import precision
 from jaxpar.models.base import ModelDef
 from jaxpar.parallel import mesh as jmesh
 from jaxpar.parallel import pipeline, rules, zero
+from jaxpar.parallel.context import StepContext
 from jaxpar.train import optim
 
 PIPE = jmesh.PIPE
@@ -346,15 +347,15 @@ class Trainer:
     """(params, global batch) -> (mean loss, metrics), no gradients, on the step's sharded path:
     manual over `data` with ZeRO-3 layers gathered one at a time, the pipeline schedule's forward
     when there is one. `params` are the state's own (stage order under the circular schedule)."""
-    L, model, dtype, sched = self.layout, self.model, self.compute_dtype, self.schedule
+    model, sched = self.model, self.schedule
     data_sharded, manual = self._manual()
+    ctx = StepContext(self.compute_dtype, self.layout.param_dims, manual)
 
     def local(params, batch):
       if sched is not None:
-        loss, aux, _ = model.pipeline(params, self._micro(batch), sched, dtype, L.param_dims,
-                                      manual, forward_only=True)
+        loss, aux, _ = model.pipeline(params, self._micro(batch), sched, ctx, forward_only=True)
       else:
-        loss, aux = _as_float_weight(*model.loss(params, batch, dtype, L.param_dims, manual))
+        loss, aux = _as_float_weight(*model.loss(params, batch, ctx))
       weighted = sched is None and WEIGHT in aux
       if weighted:
         loss, aux = _weighed(loss, aux)
@@ -380,8 +381,9 @@ class Trainer:
     L = self.layout
     stage, accum = L.stage, self.cfg.train.grad_accum
     scale = precision.static_scale(self.cfg.precision) if scale is None else scale
-    model, dtype, sched = self.model, self.compute_dtype, self.schedule
+    model, sched = self.model, self.schedule
     data_sharded, manual = self._manual()
+    ctx = StepContext(self.compute_dtype, L.param_dims, manual)
     # Without a pipeline the body is differentiated by jax.grad under vma checking; the pipeline
     # executor differentiates by hand (jax.vjp per stage), where per-device values are simply local.
     vma = sched is None
@@ -407,7 +409,7 @@ class Trainer:
       def one(mb, i=0):  # -> (loss, metrics, grads) of microbatch i of this shard
         if sched is not None:
           # the schedule seeds each microbatch's backward with the scale (not a multiply after)
-          return model.pipeline(params, self._micro(mb), sched, dtype, L.param_dims, manual, scale)
+          return model.pipeline(params, self._micro(mb), sched, ctx, scale)
 
         rng = {}
         if key_data is not None:
@@ -415,7 +417,7 @@ class Trainer:
           rng = {"rng": jmodel.at_rows(jax.random.wrap_key_data(key_data), first)}
 
         def scaled(p):
-          loss, aux = _as_float_weight(*model.loss(p, mb, dtype, L.param_dims, manual, **rng))
+          loss, aux = _as_float_weight(*model.loss(p, mb, ctx, **rng))
           if WEIGHT in aux:  # this piece's sums, not its means (see WEIGHT)
             loss, aux = _weighed(loss, aux)
           return loss * scale, (loss, aux)
