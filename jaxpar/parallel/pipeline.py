@@ -19,7 +19,7 @@ backward slots are counted alike.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -313,3 +313,56 @@ def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, lo
     return jax.lax.psum(loss, PIPE), None, None
   g_top = jax.tree_util.tree_map(zero.in_float32(lambda g: jax.lax.psum(g, PIPE)), g_top)
   return jax.lax.psum(loss, PIPE), g_layers, g_top
+
+
+# -- layer order of the circular schedule ---------------------------------------------------------
+# The circular schedule runs chunk c (layers c·Lc ...) on stage c mod P, while the `pipeline`
+# sharding gives each stage one contiguous block of the stack. So for circular the state keeps
+# the stack in stage order (stage s's block holds chunks s, s+P, s+2P, ...) and checkpoints,
+# which hold the model's own order, are converted on the way out and in.
+
+def layer_order(sched: Schedule | None, n_layers: int) -> np.ndarray | None:
+  """order[q] = the model's layer stored at row q of the state's stack (None = identity)."""
+  if sched is None or sched.virtual_stages == 1:
+    return None
+  P, V = sched.stages, sched.virtual_stages
+  Lc = n_layers // (P * V)
+  chunks = [v * P + s for s in range(P) for v in range(V)]
+  return np.concatenate([np.arange(c * Lc, (c + 1) * Lc) for c in chunks])
+
+
+def is_stacked(path, x, n: int) -> bool:
+  """Whether leaf `x` at `path` is a layer stack of `n` rows (under a 'layers' key)."""
+  under = any(getattr(k, "key", None) == "layers" for k in path)
+  return under and bool(np.ndim(x)) and np.shape(x)[0] == n
+
+
+def reorder(tree: Any, order: np.ndarray | None) -> Any:
+  """Rows of every leaf under a 'layers' key taken in `order` (params and optimizer moments)."""
+  if order is None:
+    return tree
+  one = lambda path, x: x[order] if is_stacked(path, x, len(order)) else x
+  return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def stage_rows(sched: Schedule, inverse: bool) -> Callable:
+  """x (L, ...) -> x[layer_order] (inverse: x[argsort(layer_order)]), inside a jit.
+
+  Chunk v·P + s of the model's order is slot v of stage s in the state's, so the reorder is a
+  transpose of the (V, P) grid of chunks: GSPMD makes it an all-to-all over `pipeline` where
+  the grid's blocks line up with the stages (V a multiple of P or P of V), where a gather by
+  `layer_order` all-gathers the whole stack onto every stage first.
+  """
+  P, V = sched.stages, sched.virtual_stages
+  grid = (P, V) if inverse else (V, P)
+  return lambda x: x.reshape(grid + (-1,) + x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+
+
+def in_stage_order(tree: Any, sched: Schedule | None, n_layers: int, inverse: bool = False) -> Any:
+  """Every layer stack of `tree` (parameters, moments) in the state's order (inverse: the
+  model's), inside a jit."""
+  if layer_order(sched, n_layers) is None:
+    return tree
+  rows = stage_rows(sched, inverse)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: rows(x) if is_stacked(path, x, n_layers) else x, tree)

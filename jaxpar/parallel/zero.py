@@ -344,3 +344,17 @@ def offloaded_map(fn, tree: Any, host: Any, device: Any, where) -> Any:
     out[i] = jax.device_put(fn(jax.device_put(x, device[i])), host[i])
     prev = i
   return tdef.unflatten(out)
+
+
+def stream_layers(abstract: Any, logical: Any, opt_specs: Any, mesh) -> Any:
+  """Per parameter: whether its offloaded moments come to the device one layer at a time (a
+  `layers` stack on axis 0 that no mesh axis of size > 1 splits, so not under a pipeline)."""
+  leaves, tdef = jax.tree_util.tree_flatten(abstract)
+
+  def one(names, spec):
+    first = tuple(spec)[0] if len(tuple(spec)) else None
+    axes = () if first is None else (first,) if isinstance(first, str) else tuple(first)
+    return (bool(names) and len(names) > 1 and names[0] == "layers"
+            and all(mesh.shape[a] == 1 for a in axes))
+  return tdef.unflatten([one(n, s) for n, s in zip(tdef.flatten_up_to(logical),
+                                                   tdef.flatten_up_to(opt_specs))])

@@ -74,13 +74,15 @@ def plan(cfg: Config, mesh_shape: str | Sequence[int],
   compiled = trainer.lower(_batch_abstract(cfg)).compile()
   text = compiled.as_text()
 
+  # What the state costs is read off its layout (train/layout.py); the rest off the program.
+  layout = trainer.state_layout
   is_spec = lambda x: isinstance(x, P)
   abstract = model.abstract
-  param_sh = trainer.state_shardings["params"]
-  grad_sh = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), trainer.layout.grads,
+  param_sh = layout.state_shardings["params"]
+  grad_sh = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), layout.zero.grads,
                                    is_leaf=is_spec)
-  opt_sh = trainer.state_shardings["opt"]
-  opt_abstract = trainer.abstract_state["opt"]
+  opt_sh = layout.state_shardings["opt"]
+  opt_abstract = layout.abstract_state["opt"]
 
   def total(tree_abstract, tree_sh) -> int:
     return sum(jax.tree_util.tree_leaves(jax.tree_util.tree_map(
@@ -99,7 +101,7 @@ def plan(cfg: Config, mesh_shape: str | Sequence[int],
   is_axes = lambda x: isinstance(x, tuple) and not is_spec(x)
   for (path, a), logical, p_sh, g_sh, o_spec in zip(
       flat, leaves(model.logical, is_axes), leaves(param_sh), leaves(grad_sh),
-      leaves(trainer.layout.opt, is_spec)):
+      leaves(layout.zero.opt, is_spec)):
     parameters.append({
         "path": rules.path_str(path),
         "shape": list(a.shape),
@@ -132,7 +134,7 @@ def plan(cfg: Config, mesh_shape: str | Sequence[int],
       "sent_bytes": hlo.sent_bytes(text, trainer.mesh.size),
       "flops_per_step": hlo.flops(compiled),
       "model_flops_per_step": model.flops_per_example * cfg.train.batch_size,
-      "pipeline": _pipeline(trainer.schedule),
+      "pipeline": _pipeline(layout.schedule),
       "parameters": parameters,
       "config": to_dict(cfg),
   }

@@ -18,9 +18,12 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxpar.config import ConfigError, RunError
+from jaxpar.config import ConfigError, RunError, resume_mismatch
 from jaxpar.logs import quiet_absl
+from jaxpar.models import precision
 from jaxpar.parallel.rules import path_str
 
 STATE, EXTRA = "state", "extra"
@@ -396,3 +399,51 @@ def read_extra(directory: str, step: int | None = None) -> dict:
   path = os.path.join(_step_dir(directory, step), EXTRA)
   with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
     return ckptr.restore(path, args=ocp.args.JsonRestore())
+
+
+def restore_state(ckpt: Checkpointer, step: int, layout) -> tuple[dict, dict]:
+  """(state, extra) of checkpoint `step` onto `layout` (train/layout.py's StateLayout).
+
+  Whether a dynamic loss scale is saved follows the run that saved it, not this one: a
+  checkpoint without one (a static scale) starts it at precision.initial_scale, and one with it
+  resumed under a static scale drops it.
+  """
+  meta = ckpt.metadata(step)
+  stored = "loss_scale" in getattr(meta, "tree", meta)  # orbax's metadata of the state tree
+  abstract, shardings = dict(layout.abstract_state), dict(layout.state_shardings)
+  if stored and not layout.dynamic_scale:
+    abstract["loss_scale"] = precision.scale_abstract()
+    shardings["loss_scale"] = {k: NamedSharding(layout.mesh, P()) for k in abstract["loss_scale"]}
+  elif layout.dynamic_scale and not stored:
+    del abstract["loss_scale"], shardings["loss_scale"]
+  state, extra = ckpt.restore(step, abstract, shardings)
+  if layout.dynamic_scale and not stored:
+    state["loss_scale"] = jax.device_put(precision.init_scale(layout.cfg.precision),
+                                         layout.state_shardings["loss_scale"])
+  elif stored and not layout.dynamic_scale:
+    del state["loss_scale"]
+  return state, extra
+
+
+# What a run whose newest checkpoint cannot be read is told (`readable`).
+RESUME_REMEDY = ("move {path} away to resume from the step before ({older})",
+                 "move {path} away to start again from step 0 (no step before it is complete)")
+
+
+def resumable(cfg, ckpt_dir: str) -> int | None:
+  """The step of the newest complete checkpoint in `ckpt_dir`, or None.
+
+  Raises ConfigError, before anything is built or written, when that checkpoint trained something
+  else (another model, data or global batch): resuming it would silently continue the wrong run.
+  """
+  with Checkpointer(ckpt_dir, keep=1, every=0) as reader:
+    step = reader.latest_step()
+  if step is None:
+    return None
+  with readable(ckpt_dir, step, RESUME_REMEDY):
+    stored = read_extra(ckpt_dir, step).get("config", {})
+  changed = resume_mismatch(stored, cfg)
+  if changed:
+    raise ConfigError(f"the checkpoint at step {step} in {ckpt_dir} trained a different run "
+                      f"({', '.join(changed)}); use another --workdir, or the same settings to resume")
+  return step

@@ -58,30 +58,6 @@ def _batch_abstract(element_spec: dict, process_count: int) -> dict:
   return {k: jax.ShapeDtypeStruct((shape[0] * process_count,) + tuple(shape[1:]), dtype)
           for k, (shape, dtype) in element_spec.items()}
 
-# What a run whose newest checkpoint cannot be read is told (checkpoint.readable).
-RESUME_REMEDY = ("move {path} away to resume from the step before ({older})",
-                 "move {path} away to start again from step 0 (no step before it is complete)")
-
-
-def resumable(cfg: Config, ckpt_dir: str) -> int | None:
-  """The step of the newest complete checkpoint in `ckpt_dir`, or None.
-
-  Raises ConfigError, before anything is built or written, when that checkpoint trained something
-  else (another model, data or global batch): resuming it would silently continue the wrong run.
-  """
-  with jckpt.Checkpointer(ckpt_dir, keep=1, every=0) as reader:
-    step = reader.latest_step()
-  if step is None:
-    return None
-  with jckpt.readable(ckpt_dir, step, RESUME_REMEDY):
-    stored = jckpt.read_extra(ckpt_dir, step).get("config", {})
-  changed = jconfig.resume_mismatch(stored, cfg)
-  if changed:
-    raise ConfigError(f"the checkpoint at step {step} in {ckpt_dir} trained a different run "
-                      f"({', '.join(changed)}); use another --workdir, or the same settings to resume")
-  return step
-
-
 def _tree(directory: str) -> set[str]:
   """Every path below `directory` (empty if it does not exist)."""
   return {os.path.join(d, n) for d, dirs, files in os.walk(directory) for n in dirs + files}
@@ -154,7 +130,7 @@ class _Run:
     """(state, step, skipped steps): resumed, from a Hugging Face folder, or initialised."""
     cfg, trainer = self.cfg, self.trainer
     if start is not None:
-      with jckpt.readable(self.ckpt.directory, start, RESUME_REMEDY):
+      with jckpt.readable(self.ckpt.directory, start, jckpt.RESUME_REMEDY):
         state, extra = trainer.restore(self.ckpt, start)  # the loss scale's entry may differ
       self.batches.restore(extra["data"])
       self.log(f"resuming from the checkpoint at step {start} in {self.ckpt.directory}")
@@ -252,7 +228,7 @@ def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_fil
     jprofile.check_window(profile_steps, cfg.train.steps)
   trainer = prepare(cfg, mesh_shape)
   ckpt_dir = os.path.join(workdir, "checkpoints")
-  start = resumable(cfg, ckpt_dir)
+  start = jckpt.resumable(cfg, ckpt_dir)
   if start is not None and start >= cfg.train.steps:
     log(f"nothing to train: the checkpoint in {ckpt_dir} is at step {start} and --steps is "
         f"{cfg.train.steps}")

@@ -2,6 +2,7 @@
 frozen parameters (no update, no state) around it or around a user's own transformation."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -95,3 +96,15 @@ def keep_unless(ok: jax.Array, new: Any, old: Any) -> Any:
   return jax.tree_util.tree_map(
       lambda n, o: n if is_sched(n) else jax.tree_util.tree_map(lambda a, b: jnp.where(ok, a, b), n, o),
       new, old, is_leaf=is_sched)
+
+
+def piecewise(tc: TrainConfig, model, opt_abstract: Any) -> tuple[optax.GradientTransformation, int]:
+  """For an offloaded optimizer (zero.offloaded_update), which runs the chain one parameter at a
+  time: (the chain without global-norm clipping, which needs every gradient at once and runs
+  first, on the device; the number of leading clip states it leaves out)."""
+  n_clip = 1 if tc.clip_norm > 0 else 0
+  tx = make(dataclasses.replace(tc, clip_norm=0.0), model.logical)
+  rest = jax.eval_shape(tx.init, model.abstract)
+  if jax.tree_util.tree_structure(rest) != jax.tree_util.tree_structure(opt_abstract[n_clip:]):
+    raise AssertionError("optim.make's chain is no longer (clip, rest): update optim.piecewise")
+  return tx, n_clip

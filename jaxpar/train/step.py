@@ -9,7 +9,6 @@ partitions the tensor-parallel matmuls inside. The optimizer update runs outside
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -19,14 +18,16 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.config import Config, ConfigError, microbatches
+from jaxpar.config import Config, ConfigError
 from jaxpar.models import base as jmodel
 from jaxpar.models import precision
 from jaxpar.models.base import ModelDef
 from jaxpar.parallel import mesh as jmesh
 from jaxpar.parallel import pipeline, rules, zero
 from jaxpar.parallel.context import StepContext
+from jaxpar.train import checkpoint as jckpt
 from jaxpar.train import optim
+from jaxpar.train.layout import StateLayout
 
 PIPE = jmesh.PIPE
 # A loss_fn metric with this name is the loss's denominator in its piece of the batch (e.g. the
@@ -103,10 +104,8 @@ class Trainer:
     self.expose_grads = expose_grads  # step metrics carry the reduced gradients (for tests)
     pc = cfg.parallel
     self.compute_dtype = precision.compute_dtype(cfg.precision)
-    self.specs = rules.param_specs(model.abstract, model.logical, mesh)
     # activations: sequence parallel also splits `seq` over `model` outside attention and MLP
     self.rules = rules.rules_for(cfg.parallel.sequence_parallel)
-    self.layout = zero.layout(model.abstract, self.specs, model.logical, mesh, pc.zero_stage)
     self.frozen = optim.select(frozen, model.abstract, "frozen")
     if tx is None:
       self.tx = optim.make(cfg.train, model.logical, self.frozen,
@@ -122,35 +121,14 @@ class Trainer:
       raise ConfigError("parallel.offload_optimizer updates the config's AdamW one parameter at a "
                         "time and cannot take a tx of your own or frozen parameters; set "
                         "parallel.offload_optimizer=false")
-    n_stages = mesh.shape[PIPE]
-    self.schedule = None
-    if n_stages > 1:
-      if model.pipeline is None:
-        raise ConfigError("this model has no pipeline form; use a mesh with pipeline=1")
-      self.schedule = pipeline.build(pc.schedule, n_stages, microbatches(cfg, n_stages),
-                                     pc.virtual_stages)
-    opt_abstract = jax.eval_shape(self.tx.init, model.abstract)
-    opt_specs = zero.opt_state_specs(opt_abstract, model.abstract, self.layout.opt)
-    self.state_specs = {"step": P(), "params": self.layout.params, "opt": opt_specs}
-    host = zero.HOST if pc.offload_optimizer else None
+    # Where the state lives (train/layout.py); its names are the trainer's too.
+    self.state_layout = L = StateLayout(cfg, mesh, model, self.tx)
+    self.specs, self.layout, self.schedule = L.specs, L.zero, L.schedule
+    self.state_specs, self.state_shardings = L.state_specs, L.state_shardings
+    self.abstract_state, self.opt_device = L.abstract_state, L.opt_device
+    self.dynamic_scale, self.layer_order = L.dynamic_scale, L.layer_order
     if pc.offload_optimizer:
-      zero.check_host_memory(mesh)
-      self._offload_tx, self._n_clip = self._piecewise_tx(opt_abstract)
-    self.opt_device = zero.named(mesh, opt_specs)
-    self.state_shardings = {"step": NamedSharding(mesh, P()),
-                            "params": zero.named(mesh, self.layout.params),
-                            "opt": zero.named(mesh, opt_specs, memory_kind=host)}
-    self.abstract_state = {
-        "step": jax.ShapeDtypeStruct((), jnp.int32),
-        "params": model.abstract,
-        "opt": opt_abstract,
-    }
-    # A dynamic loss scale is state: checkpointed with the rest, so a resumed run continues it.
-    self.dynamic_scale = precision.is_dynamic(cfg.precision)
-    if self.dynamic_scale:
-      self.state_specs["loss_scale"] = {"scale": P(), "good_steps": P()}
-      self.state_shardings["loss_scale"] = {k: NamedSharding(mesh, P()) for k in ("scale", "good_steps")}
-      self.abstract_state["loss_scale"] = precision.scale_abstract()
+      self._offload_tx, self._n_clip = optim.piecewise(cfg.train, model, L.abstract_state["opt"])
     self._steps: dict = {}  # compiled steps by the batch's shapes and dtypes
     self._reorder_fns: dict = {}
 
@@ -206,91 +184,15 @@ class Trainer:
     return state
 
   def restore(self, ckpt, step: int) -> tuple[dict, dict]:
-    """(state, extra) of checkpoint `step` (a checkpoint.Checkpointer) onto this trainer's layout.
+    """(state, extra) of checkpoint `step` onto this trainer's layout (checkpoint.restore_state)."""
+    return jckpt.restore_state(ckpt, step, self.state_layout)
 
-    Whether a dynamic loss scale is saved follows the run that saved it, not this one: a
-    checkpoint without one (a static scale) starts it at precision.initial_scale, and one with it
-    resumed under a static scale drops it.
-    """
-    meta = ckpt.metadata(step)
-    stored = "loss_scale" in getattr(meta, "tree", meta)  # orbax's metadata of the state tree
-    abstract, shardings = dict(self.abstract_state), dict(self.state_shardings)
-    if stored and not self.dynamic_scale:
-      abstract["loss_scale"] = precision.scale_abstract()
-      shardings["loss_scale"] = {k: NamedSharding(self.mesh, P()) for k in abstract["loss_scale"]}
-    elif self.dynamic_scale and not stored:
-      del abstract["loss_scale"], shardings["loss_scale"]
-    state, extra = ckpt.restore(step, abstract, shardings)
-    if self.dynamic_scale and not stored:
-      state["loss_scale"] = jax.device_put(precision.init_scale(self.cfg.precision),
-                                           self.state_shardings["loss_scale"])
-    elif stored and not self.dynamic_scale:
-      del state["loss_scale"]
-    return state, extra
+  # -- layer order (parallel/pipeline.py: the circular schedule's rows of the layer stack) --------
 
-  # -- layer order -------------------------------------------------------------------------------
-  # The circular schedule runs chunk c (layers c·Lc ...) on stage c mod P, while the `pipeline`
-  # sharding gives each stage one contiguous block of the stack. So for circular the state keeps
-  # the stack in stage order (stage s's block holds chunks s, s+P, s+2P, ...) and checkpoints,
-  # which hold the model's own order, are converted on the way out and in.
-
-  @property
-  def layer_order(self) -> np.ndarray | None:
-    """order[q] = the model's layer stored at row q of the state's stack (None = identity)."""
-    sched = self.schedule
-    if sched is None or sched.virtual_stages == 1:
-      return None
-    P, V = sched.stages, sched.virtual_stages
-    L = jax.tree_util.tree_leaves(self.model.abstract["layers"])[0].shape[0]
-    Lc = L // (P * V)
-    chunks = [v * P + s for s in range(P) for v in range(V)]
-    return np.concatenate([np.arange(c * Lc, (c + 1) * Lc) for c in chunks])
-
-  @staticmethod
-  def _stacked(path, x, n: int) -> bool:
-    """Whether leaf `x` at `path` is a layer stack of `n` rows (under a 'layers' key)."""
-    under = any(getattr(k, "key", None) == "layers" for k in path)
-    return under and bool(np.ndim(x)) and np.shape(x)[0] == n
-
-  @staticmethod
-  def _reorder(tree: Any, order: np.ndarray | None) -> Any:
-    """Rows of every leaf under a 'layers' key taken in `order` (params and optimizer moments)."""
-    if order is None:
-      return tree
-    one = lambda path, x: x[order] if Trainer._stacked(path, x, len(order)) else x
-    return jax.tree_util.tree_map_with_path(one, tree)
-
-  def _rows(self, inverse: bool):
-    """x (L, ...) -> x[layer_order] (inverse: x[argsort(layer_order)]), inside a jit.
-
-    Chunk v·P + s of the model's order is slot v of stage s in the state's, so the reorder is a
-    transpose of the (V, P) grid of chunks: GSPMD makes it an all-to-all over `pipeline` where
-    the grid's blocks line up with the stages (V a multiple of P or P of V), where a gather by
-    `layer_order` all-gathers the whole stack onto every stage first.
-    """
-    P, V = self.schedule.stages, self.schedule.virtual_stages
-    grid = (P, V) if inverse else (V, P)
-    return lambda x: x.reshape(grid + (-1,) + x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+  _reorder = staticmethod(pipeline.reorder)
 
   def _in_stage_order(self, tree: Any, inverse: bool = False) -> Any:
-    """Every layer stack of `tree` (parameters, moments) in the state's order (inverse: the
-    model's), inside a jit."""
-    if self.layer_order is None:
-      return tree
-    rows, n = self._rows(inverse), len(self.layer_order)
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: rows(x) if self._stacked(path, x, n) else x, tree)
-
-  def _state_in_stage_order(self, state: dict, inverse: bool) -> dict:
-    """`_in_stage_order` of a whole train state. Offloaded optimizer moments are reordered on
-    device copies, one leaf at a time (zero.offloaded_map)."""
-    if not self.cfg.parallel.offload_optimizer:
-      return self._in_stage_order(state, inverse)
-    rest = self._in_stage_order({k: v for k, v in state.items() if k != "opt"}, inverse)
-    n = len(self.layer_order)
-    opt = zero.offloaded_map(self._rows(inverse), state["opt"], self.state_shardings["opt"],
-                             self.opt_device, lambda path, x: self._stacked(path, x, n))
-    return {**rest, "opt": opt}
+    return self.state_layout.in_stage_order(tree, inverse)
 
   def to_logical(self, state: dict) -> dict:
     """The state with the layer stack in the model's own order (what checkpoints hold)."""
@@ -305,7 +207,7 @@ class Trainer:
     if self.layer_order is None:
       return tree
     if inverse not in self._reorder_fns:
-      self._reorder_fns[inverse] = jax.jit(lambda t: self._state_in_stage_order(t, inverse),
+      self._reorder_fns[inverse] = jax.jit(lambda t: self.state_layout.state_in_stage_order(t, inverse),
                                            out_shardings=self.state_shardings)
     with jax.set_mesh(self.mesh):
       return self._reorder_fns[inverse](tree)
@@ -507,16 +409,6 @@ class Trainer:
   # the device never holds all of it. Global-norm clipping needs every gradient at once, so it
   # runs first, on the device; the rest of optim.make's chain runs piece by piece.
 
-  def _piecewise_tx(self, opt_abstract: Any) -> tuple[optax.GradientTransformation, int]:
-    """(the optimizer chain without clipping, the number of leading clip states it leaves out)."""
-    tc = self.cfg.train
-    n_clip = 1 if tc.clip_norm > 0 else 0
-    tx = optim.make(dataclasses.replace(tc, clip_norm=0.0), self.model.logical)
-    rest = jax.eval_shape(tx.init, self.model.abstract)
-    if jax.tree_util.tree_structure(rest) != jax.tree_util.tree_structure(opt_abstract[n_clip:]):
-      raise AssertionError("optim.make's chain is no longer (clip, rest): update _piecewise_tx")
-    return tx, n_clip
-
   def _offloaded_update(self, grads, opt, params, ok):
     """(new params, new state) of the optimizer with its state in host memory."""
     n = self._n_clip
@@ -525,21 +417,8 @@ class Trainer:
     keep = None if ok is None else (lambda new, old: optim.keep_unless(ok, new, old))
     params, rest = zero.offloaded_update(self._offload_tx, grads, opt[n:], params,
                                          self.state_shardings["opt"][n:], self.opt_device[n:],
-                                         keep, stream=self._stream_layers())
+                                         keep, stream=self.state_layout.stream_layers())
     return params, opt[:n] + rest
-
-  def _stream_layers(self) -> Any:
-    """Per parameter: whether its offloaded moments come to the device one layer at a time (a
-    `layers` stack on axis 0 that no mesh axis of size > 1 splits, so not under a pipeline)."""
-    leaves, tdef = jax.tree_util.tree_flatten(self.model.abstract)
-
-    def one(names, spec):
-      first = tuple(spec)[0] if len(tuple(spec)) else None
-      axes = () if first is None else (first,) if isinstance(first, str) else tuple(first)
-      return (bool(names) and len(names) > 1 and names[0] == "layers"
-              and all(self.mesh.shape[a] == 1 for a in axes))
-    return tdef.unflatten([one(n, s) for n, s in zip(tdef.flatten_up_to(self.model.logical),
-                                                     tdef.flatten_up_to(self.layout.opt))])
 
   def jitted(self, batch_abstract: Any):
     """The step, jitted with the state's shardings (state donated)."""
