@@ -76,6 +76,12 @@ def test_no_module_is_over_600_lines():
   assert not long
 
 
+def test_the_training_loop_reads_in_one_screen():
+  tree = ast.parse((PACKAGE / "train" / "loop.py").read_text())
+  run = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "run")
+  assert run.end_lineno - run.lineno + 1 <= 60
+
+
 def _lazy_jaxpar_imports(path: pathlib.Path) -> list[tuple[int, str]]:
   """(line, text) of each import of a jaxpar module inside a function or class body."""
   source = path.read_text()
