@@ -253,6 +253,8 @@ def validate(cfg: Config) -> Config:
   if cfg.train.spike_factor and not cfg.train.spike_factor > 1:
     raise ConfigError(f"config key train.spike_factor={cfg.train.spike_factor} must be 0 (no "
                       f"loss-spike guard) or above 1 (a multiple of the running median loss)")
+  if cfg.parallel.virtual_stages > 1 and cfg.parallel.schedule != "circular":
+    raise ConfigError("parallel.virtual_stages > 1 needs parallel.schedule=circular")
   if cfg.parallel.zero_stage not in (0, 1, 2, 3):
     raise ConfigError(f"config key parallel.zero_stage={cfg.parallel.zero_stage} must be 0, 1, 2 or 3")
   _check_loss_scale(cfg.precision)

@@ -11,6 +11,7 @@ import tempfile
 import traceback
 
 from jaxpar import config as jconfig
+from jaxpar import kinds
 from jaxpar.config import ConfigError, RunError
 from jaxpar.interop import hf
 from jaxpar.parallel import hostmem
@@ -40,7 +41,7 @@ def setup(args, processes: int = 1) -> tuple[jconfig.Config, tuple[int, int, int
   """Parses mesh and config, then (before JAX starts) simulates this process's share of devices
   and sets the host malloc for that count (jaxpar.parallel.hostmem)."""
   shape = jmesh.parse(args.mesh)
-  cfg = jconfig.load(args.config, args.set, base=hf.model_overrides)
+  cfg = kinds.check(jconfig.load(args.config, args.set, base=hf.model_overrides))
   n = shape[0] * shape[1] * shape[2]
   if n % processes:
     raise ConfigError(f"mesh {args.mesh} has {n} devices, which do not split evenly over "

@@ -21,7 +21,7 @@ from jaxpar import config as jconfig
 from jaxpar import data as jdata
 from jaxpar.analysis import hlo
 from jaxpar.analysis import profile as jprofile
-from jaxpar.config import Config, ConfigError
+from jaxpar.config import Config
 from jaxpar.models import hf_weights
 from jaxpar.models.registry import build_model  # noqa: F401 (the model a run builds, by this name)
 from jaxpar.parallel import distributed as jdistributed
@@ -45,8 +45,6 @@ class RunResult:
 
 def prepare(cfg: Config, mesh_shape: tuple[int, int, int]) -> Trainer:
   """Checks every degree against the devices and builds the trainer (nothing is written)."""
-  if cfg.parallel.virtual_stages > 1 and cfg.parallel.schedule != "circular":
-    raise ConfigError("parallel.virtual_stages > 1 needs parallel.schedule=circular")
   devices = jax.devices()
   jmesh.check(mesh_shape, cfg, len(devices))
   mesh = jmesh.make(mesh_shape, devices)
