@@ -17,29 +17,61 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ConfigError
+from jaxpar.parallel import mesh as jmesh
 
 LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv", "mlp", "vocab", "layers")
 
 # logical axis -> mesh axis (None = replicated). Order matters only for readability.
 RULES: tuple[tuple[str, str | None], ...] = (
-    ("batch", "data"),
-    ("heads", "model"),  # q/k/v column-parallel, attention-out row-parallel
-    ("mlp", "model"),  # MLP-in column-parallel, MLP-out row-parallel
-    ("vocab", "model"),  # vocab-parallel embedding and LM head
+    ("batch", jmesh.DATA),
+    ("heads", jmesh.MODEL),  # q/k/v column-parallel, attention-out row-parallel
+    ("mlp", jmesh.MODEL),  # MLP-in column-parallel, MLP-out row-parallel
+    ("vocab", jmesh.MODEL),  # vocab-parallel embedding and LM head
     ("embed", None),
     ("kv", None),
     ("seq", None),
-    ("layers", "pipeline"),  # the scanned layer stack: stage s holds a contiguous block of layers
+    ("layers", jmesh.PIPE),  # the scanned layer stack: stage s holds a contiguous block of layers
 )
 
 Logical = tuple[str | None, ...]
+Table = tuple[tuple[str, Any], ...]
 
 
-def rules_for(sequence_parallel: bool = False) -> tuple[tuple[str, str | None], ...]:
+def extended(rows: dict[str, Any] | Iterable[tuple[str, Any]], base: Iterable = RULES) -> Table:
+  """`base` (jaxpar's table) with `rows` added, a row for a name already there replacing it:
+  `extended({"hidden": "model"})` splits a model's `hidden` axis like `mlp`, and
+  `extended({"mlp": None})` turns tensor parallelism off for the MLP. Pass it to
+  `jaxpar.Trainer(..., rules=...)`."""
+  new = dict(rows.items() if isinstance(rows, dict) else rows)
+  out = [(k, new.pop(k) if k in new else v) for k, v in base]
+  return check_table(tuple(out) + tuple(new.items()))
+
+
+def check_table(table: Iterable) -> Table:
+  """A rules table as a tuple of (logical name, mesh axis or None or a tuple of mesh axes); one
+  sentence naming the first row that is not one."""
+  try:
+    rows = tuple((k, v) for k, v in table)
+  except (TypeError, ValueError):
+    raise ConfigError(f"rules must be (logical axis, mesh axis) pairs, got {table!r}") from None
+  for name, axis in rows:
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    if not isinstance(name, str) or not all(a is None or a in jmesh.AXES for a in axes):
+      raise ConfigError(f"rule {(name, axis)!r}: a rule maps a logical axis name to one of the "
+                        f"mesh axes {', '.join(jmesh.AXES)}, a tuple of them, or None")
+  names = [k for k, _ in rows]
+  if len(set(names)) < len(names):
+    twice = next(k for k in names if names.count(k) > 1)
+    raise ConfigError(f"rules give the logical axis {twice!r} two rows; keep one")
+  return rows
+
+
+def rules_for(sequence_parallel: bool = False, base: Iterable = RULES) -> Table:
   """The table for a parallel config; sequence parallel shards `seq` activations over `model`."""
+  base = tuple(base)
   if not sequence_parallel:
-    return RULES
-  return tuple((k, "model") if k == "seq" else (k, v) for k, v in RULES)
+    return base
+  return tuple((k, jmesh.MODEL) if k == "seq" else (k, v) for k, v in base)
 
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("jaxpar_rules", default=RULES)
@@ -119,13 +151,19 @@ def check_divisible(path: str, shape: Sequence[int], spec: P, mesh) -> None:
 def param_specs(abstract: Any, logical: Any, mesh, rules=RULES) -> Any:
   """Trees of ShapeDtypeStruct and logical axes -> tree of mesh PartitionSpecs, checked."""
   def one(path, leaf, axes):
+    unknown = [a for a in axes if a is not None and a not in dict(rules)]
+    if unknown:
+      raise ConfigError(f"parameter {path_str(path)} has the logical axis {unknown[0]!r}, which no "
+                        f"rule maps to the mesh (known: {', '.join(k for k, _ in rules)}); add "
+                        f"one, e.g. jaxpar.Trainer(..., rules=jaxpar.rules.extended("
+                        f"{{{unknown[0]!r}: 'model'}}))")
     spec = to_mesh(axes, rules)
     used = [a for a in spec if a is not None]
     if len(set(used)) < len(used):
       raise ConfigError(f"parameter {path_str(path)} has logical axes {tuple(axes)}, which put "
                         f"one mesh axis on two of its dimensions ({spec}); give one of them a "
                         f"logical axis that is not split the same way (e.g. 'embed')")
-    if "data" in [n for a in used for n in (a if isinstance(a, tuple) else (a,))]:
+    if jmesh.DATA in [n for a in used for n in (a if isinstance(a, tuple) else (a,))]:
       raise ConfigError(f"parameter {path_str(path)} has logical axes {tuple(axes)}, which split "
                         f"it over the mesh axis 'data' ({spec}); parameters are split over data "
                         f"only by ZeRO (parallel.zero_stage), so give that dimension a logical "

@@ -25,7 +25,7 @@ from jaxpar.parallel import pipeline, rules, zero
 
 class StateLayout:
   """The train state's specs, shardings and abstract shapes for `model` on `mesh` under `cfg`,
-  with the optimizer `tx`.
+  with the optimizer `tx` and the rules `table` (logical axis -> mesh axis).
 
   specs: the rules' parameter specs; zero: ZeRO's params/grads/opt specs (zero.Layout);
   schedule: the pipeline schedule (None without a pipeline); state_specs, state_shardings,
@@ -34,10 +34,11 @@ class StateLayout:
   schedule's row order of the layer stack (None = the model's own).
   """
 
-  def __init__(self, cfg: Config, mesh, model: ModelDef, tx: optax.GradientTransformation):
+  def __init__(self, cfg: Config, mesh, model: ModelDef, tx: optax.GradientTransformation,
+               table: rules.Table = rules.RULES):
     pc = cfg.parallel
     self.cfg, self.mesh, self.model = cfg, mesh, model
-    self.specs = rules.param_specs(model.abstract, model.logical, mesh)
+    self.specs = rules.param_specs(model.abstract, model.logical, mesh, table)
     self.zero = zero.layout(model.abstract, self.specs, model.logical, mesh, pc.zero_stage)
     n_stages = mesh.shape[jmesh.PIPE]
     self.schedule = None

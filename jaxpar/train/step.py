@@ -23,7 +23,8 @@ from jaxpar.models import base as jmodel
 from jaxpar.models import precision
 from jaxpar.models.base import ModelDef
 from jaxpar.parallel import mesh as jmesh
-from jaxpar.parallel import pipeline, rules, zero
+from jaxpar.parallel import pipeline, zero
+from jaxpar.parallel import rules as jrules
 from jaxpar.parallel.context import StepContext
 from jaxpar.train import checkpoint as jckpt
 from jaxpar.train import optim
@@ -91,13 +92,14 @@ class Trainer:
 
   def __init__(self, cfg: Config, mesh, model: ModelDef, expose_grads: bool = False,
                tx: optax.GradientTransformation | None = None, frozen: Any = None,
-               decay_mask: Any = None):
+               decay_mask: Any = None, rules: Any = None):
     """`tx`: an optax transformation of your own in place of the config's AdamW (the config's
     train.lr, warmup, clipping and weight decay then play no part). `frozen`: the parameters that
     never change, a predicate on the path ('emb/embedding') or a tree of bools; they hold no
     optimizer state and count in neither the clipping norm nor the logged grad_norm.
     `decay_mask`: which parameters the config's AdamW decays (same forms), instead of the
-    matrices read off the logical axes."""
+    matrices read off the logical axes. `rules`: the logical axis -> mesh axis table in place of
+    jaxpar's (`jaxpar.rules.extended({'hidden': 'model'})` adds a name or changes a row)."""
     # parameters are stored in precision.param_dtype whatever dtype the model creates them in
     model = jmodel.stored_as(model, precision.param_dtype(cfg.precision))
     self.cfg, self.mesh, self.model = cfg, mesh, model
@@ -105,7 +107,8 @@ class Trainer:
     pc = cfg.parallel
     self.compute_dtype = precision.compute_dtype(cfg.precision)
     # activations: sequence parallel also splits `seq` over `model` outside attention and MLP
-    self.rules = rules.rules_for(cfg.parallel.sequence_parallel)
+    table = jrules.RULES if rules is None else jrules.check_table(rules)
+    self.rules = jrules.rules_for(cfg.parallel.sequence_parallel, table)
     self.frozen = optim.select(frozen, model.abstract, "frozen")
     if tx is None:
       self.tx = optim.make(cfg.train, model.logical, self.frozen,
@@ -122,7 +125,7 @@ class Trainer:
                         "time and cannot take a tx of your own or frozen parameters; set "
                         "parallel.offload_optimizer=false")
     # Where the state lives (train/layout.py); its names are the trainer's too.
-    self.state_layout = L = StateLayout(cfg, mesh, model, self.tx)
+    self.state_layout = L = StateLayout(cfg, mesh, model, self.tx, table)
     self.specs, self.layout, self.schedule = L.specs, L.zero, L.schedule
     self.state_specs, self.state_shardings = L.state_specs, L.state_shardings
     self.abstract_state, self.opt_device = L.abstract_state, L.opt_device
@@ -160,8 +163,8 @@ class Trainer:
 
   def _check_params(self, params: Any) -> None:
     """One sentence naming the first parameter that the model lacks, misses or shapes otherwise."""
-    got = {rules.path_str(p): np.shape(x) for p, x in jax.tree_util.tree_leaves_with_path(params)}
-    want = {rules.path_str(p): tuple(a.shape)
+    got = {jrules.path_str(p): np.shape(x) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    want = {jrules.path_str(p): tuple(a.shape)
             for p, a in jax.tree_util.tree_leaves_with_path(self.model.abstract)}
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     if missing or extra:
@@ -226,7 +229,7 @@ class Trainer:
 
   def _sharded(self, local, params, batch, out_specs):
     """`local(params, batch)` inside a shard_map manual over `_manual()` axes (or as it is)."""
-    with rules.use(self.rules):  # the model's activation constraints read the trainer's table
+    with jrules.use(self.rules):  # the model's activation constraints read the trainer's table
       return self._sharded_in(local, params, batch, out_specs)
 
   def _sharded_in(self, local, params, batch, out_specs):
@@ -461,7 +464,7 @@ class Trainer:
     parts = [(name, n) for name, n in parts if n > 1 or name == "data"]
     need = int(np.prod([n for _, n in parts]))
     for path, leaf in jax.tree_util.tree_leaves_with_path(batch_abstract):
-      name = rules.path_str(path)
+      name = jrules.path_str(path)
       if not leaf.shape:
         raise ConfigError(f"batch leaf {name!r} is a scalar; every batch leaf needs a leading "
                           f"batch axis, which the trainer splits over data")
