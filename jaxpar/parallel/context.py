@@ -1,11 +1,12 @@
 """How one step runs a model: the context the trainer hands a model's loss and pipeline form.
 
-A model's loss needs three facts that belong to the step, not to the model: the dtype to compute
-in, which parameters arrive as ZeRO-3 shards (and along which dimension) so the model can gather
-them where it uses them, and which mesh axes are manual where it runs (inside the step's
-shard_map over `data`, and `pipeline` with a schedule), which the tensor-parallel collectives and
-the activation constraints must know. They travel together as one `StepContext`, so a model's
-signature does not change when the step learns something new about its layout.
+A model's loss needs facts that belong to the step, not to the model: the dtype to compute in,
+which parameters arrive as ZeRO-3 shards (and along which dimension) so the model can gather them
+where it uses them, which mesh axes are manual where it runs (inside the step's shard_map over
+`data`, and `pipeline` with a schedule), which the tensor-parallel collectives and the activation
+constraints must know, and what a layer scan keeps for the backward (`parallel.remat`). They
+travel together as one `StepContext`, so a model's signature does not change when the step learns
+something new about its layout.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ class StepContext:
   # every leaf whole); left out of the hash, since a dict is not hashable
   dims: Any = field(default=None, hash=False)
   manual: frozenset = frozenset()  # mesh axes a shard_map around the call is manual over
+  # `parallel.remat`: what a layer scan keeps for the backward (models/stack.py's remat_policy)
+  remat: str = "none"
 
   def __post_init__(self):
     object.__setattr__(self, "manual", frozenset(self.manual))

@@ -254,7 +254,8 @@ class Trainer:
     when there is one. `params` are the state's own (stage order under the circular schedule)."""
     model, sched = self.model, self.schedule
     data_sharded, manual = self._manual()
-    ctx = StepContext(self.compute_dtype, self.layout.param_dims, manual)
+    ctx = StepContext(self.compute_dtype, self.layout.param_dims, manual,
+                      self.cfg.parallel.remat)
 
     def local(params, batch):
       if sched is not None:
@@ -288,7 +289,7 @@ class Trainer:
     scale = precision.static_scale(self.cfg.precision) if scale is None else scale
     model, sched = self.model, self.schedule
     data_sharded, manual = self._manual()
-    ctx = StepContext(self.compute_dtype, L.param_dims, manual)
+    ctx = StepContext(self.compute_dtype, L.param_dims, manual, self.cfg.parallel.remat)
     # Without a pipeline the body is differentiated by jax.grad under vma checking; the pipeline
     # executor differentiates by hand (jax.vjp per stage), where per-device values are simply local.
     vma = sched is None

@@ -1,0 +1,114 @@
+"""A stack of identical blocks between an embedding and a head: the layer scan, ZeRO-3's gather one
+layer at a time, remat, and the pipeline form, for jaxpar's decoders and a user's stack alike.
+
+A stacked model's parameters are `{'layers': leaves (L, ...), ...the rest ('top')}`; the stack's
+leading axis is named 'layers', which the rules map to `pipeline`, so each stage holds a
+contiguous block of layers and the schedules of parallel/pipeline.py run the blocks. Its three
+functions are `Parts`; decoder.py gives its own, and `from_stack` (user_stack.py) makes them from a
+user's Flax modules. The step's dtype, ZeRO-3 dims, manual axes and remat policy arrive as one
+`StepContext` (parallel/context.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.parallel import pipeline, zero
+from jaxpar.parallel.context import StepContext
+
+
+@dataclass(frozen=True)
+class Parts:
+  """A stacked model's own functions; `top` is every parameter outside the layer stack."""
+  embed: Callable[[dict, Any, Any], jax.Array]  # (top, inputs, dtype) -> x, e.g. (B, T, D)
+  block: Callable[..., jax.Array]  # (one layer's params, x, ctx) -> x of the same shape
+  head: Callable[[dict, jax.Array], Any]  # (top, x) -> outputs (a decoder's: float32 logits)
+
+
+def split(params: dict, dims: Any) -> tuple[dict, Any, Any]:
+  """(top params, top ZeRO dims, layer-stack ZeRO dims); dims None = nothing sharded."""
+  top = {k: v for k, v in params.items() if k != "layers"}
+  if dims is None:
+    return top, None, None
+  return top, {k: v for k, v in dims.items() if k != "layers"}, dims["layers"]
+
+
+REMAT = ("none", "full", "dots_saveable", "offload")
+
+
+def remat_policy(remat: str):
+  """`parallel.remat` -> the jax.checkpoint policy of one layer (None: save nothing but its input).
+
+  dots_saveable keeps the weight matmuls' outputs and recomputes the rest (norms, activations,
+  attention's score matmuls and softmax, whose (B, H, T, T) buffers dominate at long sequences);
+  offload keeps the same outputs, but in host memory (`pinned_host`).
+  Gathered ZeRO-3 weights are never dot outputs, so every policy re-gathers them in the backward.
+  """
+  return {"full": None, "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+          "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+          }[remat]
+
+
+def run_layers(layers: dict, x: jax.Array, block: Callable[..., jax.Array],
+               ctx: StepContext = StepContext(), remat: str = "none") -> jax.Array:
+  """Scan `block` over a stack of layers. layers: leaves (L, ...); x (B, T, D).
+
+  Each layer runs under `remat`'s checkpoint policy (`remat_policy`). `ctx.dims` are the ZeRO-3
+  dims of the stacked leaves: each layer's shards are all-gathered inside the scan body and
+  gathered again in the backward (`zero.regather` when nothing is rematerialised), so at most a
+  layer or two is whole on a device at a time. The block gets `ctx` without dims: its weights
+  arrive whole.
+  """
+  layer_dims = zero.shift(ctx.dims)
+  layer_ctx = replace(ctx, dims=None)  # the block's weights arrive gathered
+
+  def body(x, p):
+    return block(zero.gather(p, layer_dims), x, layer_ctx), None
+  if remat != "none":
+    body = jax.checkpoint(body, prevent_cse=False, policy=remat_policy(remat))
+  elif ctx.dims is not None:
+    body = zero.regather(body)
+  x, _ = jax.lax.scan(body, x, layers)
+  return x
+
+
+def forward(parts: Parts, params: dict, inputs: Any, ctx: StepContext = StepContext(),
+            remat: str = "none") -> Any:
+  """inputs -> the head's outputs: embed, the scanned stack, head (ZeRO-3 top gathered once)."""
+  top, top_dims, layer_dims = split(params, ctx.dims)
+  top = zero.gather(top, top_dims)
+  x = parts.embed(top, inputs, ctx.dtype)
+  x = run_layers(params["layers"], x, parts.block, replace(ctx, dims=layer_dims), remat)
+  return parts.head(top, x)
+
+
+def pipeline_grads(parts: Parts, params: dict, micro: dict, sched, score: Callable,
+                   inputs: Callable = lambda mb: mb["inputs"], ctx: StepContext = StepContext(),
+                   remat: str = "none", loss_scale=1.0, forward_only=False):
+  """Loss and gradients through the pipeline schedule `sched` (inside a shard_map over `pipeline`).
+
+  params: this stage's layers (leaves [L/P, ...]) and the replicated `top`; micro: batch leaves
+  [M, b, ...]; inputs(mb) -> the embedding's inputs of one microbatch; score(outputs, mb) -> its
+  mean loss. ZeRO-3 shards are gathered inside each use, so their gradients come back
+  reduce-scattered. Gradients are of `loss_scale` times the loss; with `forward_only`
+  (evaluation) there are none (None).
+  """
+  top, top_dims, layer_dims = split(params, ctx.dims)
+  layer_ctx = replace(ctx, dims=layer_dims)
+
+  def embed_fn(t, mb):
+    return parts.embed(zero.gather(t, top_dims), inputs(mb), ctx.dtype)
+
+  def stage_fn(layers, x):
+    return run_layers(layers, x, parts.block, layer_ctx, remat)
+
+  def loss_fn(t, x, mb):
+    return jnp.asarray(score(parts.head(zero.gather(t, top_dims), x), mb), jnp.float32)
+  loss, g_layers, g_top = pipeline.execute(sched, params["layers"], top, micro, embed_fn, stage_fn,
+                                           loss_fn, loss_scale, forward_only)
+  if forward_only:
+    return loss, {}, None
+  return loss, {}, {**g_top, "layers": g_layers}
