@@ -1,8 +1,9 @@
 """jaxpar: sharded training of Flax models on one JAX mesh (data, model, pipeline).
 
 The public surface: `Trainer` (sharded init + compiled step), `from_nnx` / `from_linen` (bring your
-own Flax model), `RULES` (logical axis -> mesh axis) and `rules` (`rules.constrain` for
-activations), `make_mesh`, and `config.load`. The package's layers: ARCHITECTURE.md.
+own Flax model), `from_stack` (your own stack of blocks, which the pipeline cuts into stages),
+`RULES` (logical axis -> mesh axis) and `rules` (`rules.constrain` for activations), `make_mesh`,
+and `config.load`. The package's layers: ARCHITECTURE.md.
 """
 from jaxpar.parallel import hostmem
 
@@ -11,6 +12,7 @@ hostmem.configure()  # before JAX starts its threads; see hostmem.py
 from jaxpar import config  # noqa: E402
 from jaxpar.config import Config, ConfigError  # noqa: E402
 from jaxpar.models.base import ModelDef, from_linen, from_nnx  # noqa: E402
+from jaxpar.models.user_stack import from_stack  # noqa: E402
 from jaxpar.parallel import mesh as _mesh  # noqa: E402
 from jaxpar.parallel import rules  # noqa: E402  (jaxpar.rules.constrain in a model)
 from jaxpar.parallel.rules import RULES  # noqa: E402
@@ -30,4 +32,4 @@ def make_mesh(spec: str):
 
 
 __all__ = ["Config", "ConfigError", "ModelDef", "RULES", "Trainer", "config", "from_linen",
-           "from_nnx", "make_mesh", "rules", "__version__"]
+           "from_nnx", "from_stack", "make_mesh", "rules", "__version__"]

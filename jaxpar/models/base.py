@@ -192,6 +192,19 @@ def _logical_from(abstract, annotated, path_rules):
                                           is_leaf=lambda x: x is None or isinstance(x, tuple))
 
 
+def nnx_annotations(state) -> Any:
+  """An NNX parameter state's logical axes as a pure dict: per leaf the axes it was annotated with
+  (`nnx.with_partitioning`, `out_sharding=`; older flax: `sharding_names=`), else None."""
+  from flax import nnx
+
+  def names(var):
+    meta = var.get_metadata()
+    axes = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
+    return tuple(axes) if axes else None
+  return nnx.to_pure_dict(jax.tree_util.tree_map(names, state,
+                                                 is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
 def from_nnx(factory: Callable[..., Any], loss_fn: LossFn, input_key: Any = "x",
              path_rules: Iterable[tuple[str, tuple]] = (), inputs: Callable | None = None,
              loss_takes: Iterable[str] = ()) -> ModelDef:
@@ -216,13 +229,7 @@ def from_nnx(factory: Callable[..., Any], loss_fn: LossFn, input_key: Any = "x",
                      + ", ".join(rules.path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(rest)))
   abstract = nnx.to_pure_dict(state)
   tags = sorted({s.key.tag for _, s in nnx.iter_graph(module) if isinstance(s, nnx.RngStream)})
-
-  def names(var):
-    meta = var.get_metadata()
-    axes = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
-    return tuple(axes) if axes else None
-  annotated = nnx.to_pure_dict(jax.tree_util.tree_map(names, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
-  logical = _logical_from(abstract, annotated, tuple(path_rules))
+  logical = _logical_from(abstract, nnx_annotations(state), tuple(path_rules))
 
   def init(key):
     with nnx.use_eager_sharding(False):
@@ -248,6 +255,15 @@ def from_nnx(factory: Callable[..., Any], loss_fn: LossFn, input_key: Any = "x",
     return _call_loss(loss_fn, loss_takes, outputs, batch, params, rng, aux)
   return ModelDef(init=init, loss=loss, logical=logical, abstract=abstract,
                   takes_rng=bool(tags) or "rng" in loss_takes)
+
+
+def linen_annotations(boxed) -> Any:
+  """A Linen `params` collection's logical axes: per leaf the axes of its
+  `nn.with_logical_partitioning` box, else None."""
+  import flax.linen as nn
+  is_box = lambda x: isinstance(x, nn.Partitioned)
+  return jax.tree_util.tree_map(lambda x: tuple(x.names) if is_box(x) else None, boxed,
+                                is_leaf=is_box)
 
 
 def from_linen(module: Any, example_input: Any, loss_fn: LossFn, input_key: Any = "x",
@@ -282,11 +298,8 @@ def from_linen(module: Any, example_input: Any, loss_fn: LossFn, input_key: Any 
     raise ValueError("from_linen supports models whose variables are 'params' only; found "
                      + ", ".join(others) + " (sown 'intermediates' are allowed: loss_fn's aux)")
   boxed = variables["params"]
-  is_box = lambda x: isinstance(x, nn.Partitioned)
-  annotated = jax.tree_util.tree_map(lambda x: tuple(x.names) if is_box(x) else None, boxed,
-                                     is_leaf=is_box)
   abstract = nn.unbox(boxed)
-  logical = _logical_from(abstract, annotated, tuple(path_rules))
+  logical = _logical_from(abstract, linen_annotations(boxed), tuple(path_rules))
 
   def init(key):
     return nn.unbox(init_vars(key)["params"])

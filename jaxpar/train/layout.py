@@ -38,15 +38,24 @@ class StateLayout:
                table: rules.Table = rules.RULES):
     pc = cfg.parallel
     self.cfg, self.mesh, self.model = cfg, mesh, model
-    self.specs = rules.param_specs(model.abstract, model.logical, mesh, table)
-    self.zero = zero.layout(model.abstract, self.specs, model.logical, mesh, pc.zero_stage)
     n_stages = mesh.shape[jmesh.PIPE]
     self.schedule = None
     if n_stages > 1:
       if model.pipeline is None:
-        raise ConfigError("this model has no pipeline form; use a mesh with pipeline=1")
+        raise ConfigError("this model has no pipeline form (give jaxpar its stack of blocks with "
+                          "jaxpar.from_stack); use a mesh with pipeline=1")
       self.schedule = pipeline.build(pc.schedule, n_stages, microbatches(cfg, n_stages),
                                      pc.virtual_stages)
+    stack = model.abstract["layers"] if self.schedule and "layers" in model.abstract else None
+    self.n_layers = jax.tree_util.tree_leaves(stack)[0].shape[0] if stack else 0
+    if self.schedule is not None:  # before the specs, whose message would name one parameter
+      stages = n_stages * self.schedule.virtual_stages
+      if self.n_layers % stages:
+        raise ConfigError(f"the model's {self.n_layers} layers are not divisible by its {stages} "
+                          f"pipeline stages (pipeline={n_stages} x parallel.virtual_stages="
+                          f"{self.schedule.virtual_stages})")
+    self.specs = rules.param_specs(model.abstract, model.logical, mesh, table)
+    self.zero = zero.layout(model.abstract, self.specs, model.logical, mesh, pc.zero_stage)
     opt_abstract = jax.eval_shape(tx.init, model.abstract)
     opt_specs = zero.opt_state_specs(opt_abstract, model.abstract, self.zero.opt)
     self.state_specs = {"step": P(), "params": self.zero.params, "opt": opt_specs}
@@ -65,8 +74,6 @@ class StateLayout:
       self.state_shardings["loss_scale"] = {k: NamedSharding(mesh, P())
                                             for k in ("scale", "good_steps")}
       self.abstract_state["loss_scale"] = precision.scale_abstract()
-    stack = model.abstract["layers"] if self.schedule and "layers" in model.abstract else None
-    self.n_layers = jax.tree_util.tree_leaves(stack)[0].shape[0] if stack else 0
     self.layer_order: np.ndarray | None = pipeline.layer_order(self.schedule, self.n_layers)
 
   def stream_layers(self) -> Any:
