@@ -98,7 +98,7 @@ def first_step(model, mesh, *overrides, evaluate=False):
   _, m = t.step(state, b)
   grads = jax.device_get(t._reorder(m["grads"], None if t.layer_order is None
                                     else np.argsort(t.layer_order)))
-  return params, float(m["loss"]), grads, evaluated
+  return params, (float(m["loss"]), float(m["accuracy"])), grads, evaluated
 
 
 def graph(cls):
@@ -114,9 +114,9 @@ def reference(params, block_apply):
     x = nnx.merge(embed, p["embed"])(batch()["x"])
     for i in range(L):
       x = block_apply(jax.tree_util.tree_map(lambda a: a[i], p["layers"]), x)
-    return loss_fn(nnx.merge(head, p["head"])(x), batch())[0]
-  value, grads = jax.value_and_grad(loss)(params)
-  return float(value), grads
+    return loss_fn(nnx.merge(head, p["head"])(x), batch())
+  (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params)
+  return (float(value), float(metrics["accuracy"])), grads
 
 
 def nnx_block(p, x):
@@ -140,8 +140,10 @@ IDS = ["1x1x1", "1x1x2-1f1b", "1x1x2-gpipe-remat", "2x1x2-zero3-circular"]
 
 @pytest.mark.parametrize("mesh,overrides", LAYOUTS, ids=IDS)
 def test_nnx_stack_matches_plain_jax(mesh, overrides):
-  params, loss, grads, evaluated = first_step(stack(), mesh, *overrides, evaluate=True)
-  want_loss, want_grads = reference(params, nnx_block)
+  params, (loss, accuracy), grads, evaluated = first_step(stack(), mesh, *overrides,
+                                                          evaluate=True)
+  (want_loss, want_accuracy), want_grads = reference(params, nnx_block)
+  assert accuracy == pytest.approx(want_accuracy, rel=1e-6)  # loss_fn's metric, pipeline or not
   assert abs(loss - want_loss) <= RTOL * abs(want_loss)
   assert abs(evaluated - want_loss) <= RTOL * abs(want_loss)
   eq.assert_trees_close(grads, want_grads, "gradient")
@@ -152,8 +154,8 @@ def test_nnx_stack_matches_plain_jax(mesh, overrides):
 @pytest.mark.parametrize("mesh,overrides", LAYOUTS[2:], ids=IDS[2:])
 def test_linen_block_matches_plain_jax(mesh, overrides):
   model = stack(LinenBlock(), example_input=batch()["x"])
-  params, loss, grads, _ = first_step(model, mesh, *overrides)
-  want_loss, want_grads = reference(params, linen_block)
+  params, (loss, _), grads, _ = first_step(model, mesh, *overrides)
+  (want_loss, _), want_grads = reference(params, linen_block)
   assert abs(loss - want_loss) <= RTOL * abs(want_loss)
   eq.assert_trees_close(grads, want_grads, "gradient")
   print(f"\nlinen {mesh} {overrides}: loss {abs(loss - want_loss) / abs(want_loss):.2e} grads "

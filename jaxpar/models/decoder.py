@@ -80,7 +80,7 @@ def pipeline_grads(parts: Parts, params: dict, micro: dict, sched,
   # XLA:CPU cannot run a collective (sequence parallel's seq-split shift) that only some run
   tokens = micro["tokens"]
   micro = {"inputs": tokens[:, :, :-1], "targets": tokens[:, :, 1:]}
-  score = lambda logits, mb: cross_entropy(logits, mb["targets"], ctx.manual)
+  score = lambda logits, mb: (cross_entropy(logits, mb["targets"], ctx.manual), {})
   return stack.pipeline_grads(parts, params, micro, sched, score, ctx=ctx, remat=remat,
                               loss_scale=loss_scale, forward_only=forward_only)
 

@@ -92,7 +92,7 @@ def pipeline_grads(parts: Parts, params: dict, micro: dict, sched, score: Callab
 
   params: this stage's layers (leaves [L/P, ...]) and the replicated `top`; micro: batch leaves
   [M, b, ...]; inputs(mb) -> the embedding's inputs of one microbatch; score(outputs, mb) -> its
-  mean loss. ZeRO-3 shards are gathered inside each use, so their gradients come back
+  (mean loss, dict of scalar metrics), both averaged over the microbatches. ZeRO-3 shards are gathered inside each use, so their gradients come back
   reduce-scattered. Gradients are of `loss_scale` times the loss; with `forward_only`
   (evaluation) there are none (None).
   """
@@ -106,9 +106,11 @@ def pipeline_grads(parts: Parts, params: dict, micro: dict, sched, score: Callab
     return run_layers(layers, x, parts.block, layer_ctx, remat)
 
   def loss_fn(t, x, mb):
-    return jnp.asarray(score(parts.head(zero.gather(t, top_dims), x), mb), jnp.float32)
-  loss, g_layers, g_top = pipeline.execute(sched, params["layers"], top, micro, embed_fn, stage_fn,
-                                           loss_fn, loss_scale, forward_only)
+    loss, metrics = score(parts.head(zero.gather(t, top_dims), x), mb)
+    as_f32 = lambda v: jnp.asarray(v, jnp.float32)
+    return as_f32(loss), {k: as_f32(v) for k, v in metrics.items()}
+  (loss, metrics), g_layers, g_top = pipeline.execute(
+      sched, params["layers"], top, micro, embed_fn, stage_fn, loss_fn, loss_scale, forward_only)
   if forward_only:
-    return loss, {}, None
-  return loss, {}, {**g_top, "layers": g_layers}
+    return loss, metrics, None
+  return loss, metrics, {**g_top, "layers": g_layers}

@@ -115,8 +115,8 @@ def from_stack(embed: Any, block: Any, head: Any, n_layers: int, loss_fn: LossFn
   n_layers, logical name 'layers', 'head': ...}; logical axes come from the parts' annotations,
   else from `path_rules` (regexes on those paths, e.g. 'layers/.*kernel', axes of one block).
 
-  Through the pipeline the step reports the loss alone (loss_fn's other metrics are for meshes
-  with pipeline=1), and the microbatches weigh the same, so a 'loss_weight' metric is refused.
+  Through the pipeline loss_fn's metrics (float scalars) are means over the microbatches, which
+  weigh the same, so a 'loss_weight' metric is refused there.
   """
   if not isinstance(n_layers, int) or n_layers < 1:
     raise ConfigError(f"from_stack's n_layers={n_layers!r} must be a positive int")
@@ -193,7 +193,7 @@ def from_stack(embed: Any, block: Any, head: Any, n_layers: int, loss_fn: LossFn
       raise ConfigError(f"loss_fn's {_WEIGHT!r} metric weighs the batch's pieces, but the "
                         f"pipeline's microbatches weigh the same; drop it, or use a mesh with "
                         f"pipeline=1")
-    return loss
+    return loss, metrics
 
   def pipeline(params, micro, sched, ctx=StepContext(), loss_scale=1.0, forward_only=False):
     return stack.pipeline_grads(model, params, micro, sched, score, inputs=arguments, ctx=ctx,

@@ -224,12 +224,14 @@ def _fit_slots(a: np.ndarray, P: int, M: int, V: int, start: int) -> int:
 
 def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, loss_scale=1.0,
             forward_only=False):
-  """Runs `sched` inside a shard_map manual over `pipeline`; returns (loss, layer grads, top grads).
+  """Runs `sched` inside a shard_map manual over `pipeline`; returns ((loss, metrics), layer grads,
+  top grads).
 
   layers: this stage's layers, leaves [V·Lc, ...] (chunk c = rows c·Lc ...); top: the parameters
   used outside the layers (replicated over stages); micro: batch leaves [M, b, ...].
-  embed_fn(top, mb) -> x (b, T, D); stage_fn(chunk_layers, x) -> x; loss_fn(top, x, mb) -> mean loss.
-  The loss is the mean over microbatches; gradients are of that loss times `loss_scale`: the
+  embed_fn(top, mb) -> x (b, T, D); stage_fn(chunk_layers, x) -> x; loss_fn(top, x, mb) -> (mean
+  loss, dict of float32 scalar metrics). The loss and each metric are means over microbatches
+  (returned as one pair); gradients are of that loss times `loss_scale`: the
   scale seeds each microbatch's cotangent, so a float16 backward carries scaled values all the way
   (the caller divides it out). Top grads are summed over stages here, so every stage returns the
   full gradient of the replicated parameters.
@@ -249,6 +251,9 @@ def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, lo
   zeros_x = jnp.zeros(x_shape.shape, x_shape.dtype)
   zeros_like = lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree)
   slot = lambda i, c: (c * M + i) % K
+  scored = jax.eval_shape(loss_fn, top, x_shape, take(micro, 0))  # (loss, metrics)
+  no_score = lambda: jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), scored)
+  add = lambda a, b: jax.tree_util.tree_map(jnp.add, a, b)
 
   def fwd(carry, i, c):
     stash, recv_f, recv_b, g_layers, g_top, loss = carry
@@ -256,9 +261,10 @@ def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, lo
                      lambda: recv_f[slot(i, c)])
     y = stage_fn(chunk(c), x)
     if forward_only:  # nothing to stash for a backward; the last chunk's output is scored now
-      l = jax.lax.cond((s == P - 1) & (c == V - 1), lambda: loss_fn(top, y, take(micro, i)) / M,
-                       lambda: jnp.zeros((), jnp.float32))
-      return (stash, recv_f, recv_b, g_layers, g_top, loss + l), y, zeros_x
+      l = jax.lax.cond((s == P - 1) & (c == V - 1),
+                       lambda: jax.tree_util.tree_map(lambda v: v / M,
+                                                      loss_fn(top, y, take(micro, i))), no_score)
+      return (stash, recv_f, recv_b, g_layers, g_top, add(loss, l)), y, zeros_x
     return (stash.at[slot(i, c)].set(x), recv_f, recv_b, g_layers, g_top, loss), y, zeros_x
 
   def bwd(carry, i, c):
@@ -267,12 +273,14 @@ def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, lo
     y, vjp = jax.vjp(stage_fn, chunk(c), stash[slot(i, c)])
 
     def from_loss():
-      l, (d_top, dy) = jax.value_and_grad(lambda t, y: loss_fn(t, y, mb) * (loss_scale / M),
-                                          argnums=(0, 1))(top, y)
-      return l / loss_scale, d_top, dy
+      def scaled(t, y):
+        l, metrics = loss_fn(t, y, mb)
+        return l * (loss_scale / M), (l / M, jax.tree_util.tree_map(lambda v: v / M, metrics))
+      (_, l), (d_top, dy) = jax.value_and_grad(scaled, argnums=(0, 1), has_aux=True)(top, y)
+      return l, d_top, dy
     last = (s == P - 1) & (c == V - 1)
     l, d_top, dy = jax.lax.cond(last, from_loss,
-                                lambda: (jnp.zeros((), jnp.float32), zeros_like(top), recv_b[slot(i, c)]))
+                                lambda: (no_score(), zeros_like(top), recv_b[slot(i, c)]))
     d_chunk, dx = vjp(dy.astype(y.dtype))
     g_layers = jax.tree_util.tree_map(
         lambda g, d: jax.lax.dynamic_update_slice_in_dim(
@@ -281,7 +289,7 @@ def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, lo
     d_embed = jax.lax.cond(first, lambda: jax.vjp(lambda t: embed_fn(t, mb), top)[1](dx)[0],
                            lambda: zeros_like(top))
     g_top = jax.tree_util.tree_map(lambda a, b, e: a + b + e, g_top, d_top, d_embed)
-    return (stash, recv_f, recv_b, g_layers, g_top, loss + l), zeros_x, dx
+    return (stash, recv_f, recv_b, g_layers, g_top, add(loss, l)), zeros_x, dx
 
   def idle(carry, i, c):
     return carry, zeros_x, zeros_x
@@ -304,10 +312,9 @@ def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, lo
 
   buf = jnp.zeros((K,) + x_shape.shape, x_shape.dtype)
   if forward_only:  # no gradient accumulators, no stash
-    init = (jnp.zeros((0,) + x_shape.shape, x_shape.dtype), buf, buf, None, None,
-            jnp.zeros((), jnp.float32))
+    init = (jnp.zeros((0,) + x_shape.shape, x_shape.dtype), buf, buf, None, None, no_score())
   else:
-    init = (buf, buf, buf, zeros_like(layers), zeros_like(top), jnp.zeros((), jnp.float32))
+    init = (buf, buf, buf, zeros_like(layers), zeros_like(top), no_score())
   (_, _, _, g_layers, g_top, loss), _ = jax.lax.scan(tick, init, jnp.arange(sched.ticks))
   if forward_only:
     return jax.lax.psum(loss, PIPE), None, None

@@ -260,6 +260,7 @@ class Trainer:
     def local(params, batch):
       if sched is not None:
         loss, aux, _ = model.pipeline(params, self._micro(batch), sched, ctx, forward_only=True)
+        loss, aux = _as_float_weight(loss, aux)
       else:
         loss, aux = _as_float_weight(*model.loss(params, batch, ctx))
       weighted = sched is None and WEIGHT in aux
@@ -315,7 +316,8 @@ class Trainer:
       def one(mb, i=0):  # -> (loss, metrics, grads) of microbatch i of this shard
         if sched is not None:
           # the schedule seeds each microbatch's backward with the scale (not a multiply after)
-          return model.pipeline(params, self._micro(mb), sched, ctx, scale)
+          loss, aux, grads = model.pipeline(params, self._micro(mb), sched, ctx, scale)
+          return (*_as_float_weight(loss, aux), grads)
 
         rng = {}
         if key_data is not None:
