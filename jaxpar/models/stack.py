@@ -92,9 +92,9 @@ def pipeline_grads(parts: Parts, params: dict, micro: dict, sched, score: Callab
 
   params: this stage's layers (leaves [L/P, ...]) and the replicated `top`; micro: batch leaves
   [M, b, ...]; inputs(mb) -> the embedding's inputs of one microbatch; score(outputs, mb) -> its
-  (mean loss, dict of scalar metrics), both averaged over the microbatches. ZeRO-3 shards are gathered inside each use, so their gradients come back
-  reduce-scattered. Gradients are of `loss_scale` times the loss; with `forward_only`
-  (evaluation) there are none (None).
+  (mean loss, dict of scalar metrics), both averaged over the microbatches. ZeRO-3 shards are
+  gathered inside each use, so their gradients come back reduce-scattered. Gradients are of
+  `loss_scale` times the loss; with `forward_only` (evaluation) there are none (None).
   """
   top, top_dims, layer_dims = split(params, ctx.dims)
   layer_ctx = replace(ctx, dims=layer_dims)
