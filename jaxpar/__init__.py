@@ -1,9 +1,10 @@
 """jaxpar: sharded training of Flax models on one JAX mesh (data, model, pipeline).
 
-The public surface: `Trainer` (sharded init + compiled step), `from_nnx` / `from_linen` (bring your
-own Flax model), `from_stack` (your own stack of blocks, which the pipeline cuts into stages),
-`RULES` (logical axis -> mesh axis) and `rules` (`rules.constrain` for activations), `make_mesh`,
-and `config.load`. The package's layers: ARCHITECTURE.md.
+The public surface: `Trainer` (sharded init + compiled step, `save` / `load` of checkpoints),
+`from_nnx` / `from_linen` (bring your own Flax model), `from_stack` (your own stack of blocks,
+which the pipeline cuts into stages), `RULES` (logical axis -> mesh axis) and `rules`
+(`rules.constrain` for activations), `make_mesh`, and `config.load`. The package's layers:
+ARCHITECTURE.md.
 """
 from jaxpar.parallel import hostmem
 

@@ -90,3 +90,19 @@ def test_docs_commands_run_in_order(tmp_path):
   assert other.returncode == 2 and len(errors) == 1 and "model.n_layers=4->2" in errors[0], other.stderr
   assert "--workdir" in errors[0] and "Traceback" not in other.stderr
   assert sorted(p.name for p in (tmp_path / "workdir" / "checkpoints").iterdir()) == before
+
+
+# The docs' Python examples that other test files run (in process, against references); the
+# sequence above runs `orbax` itself.
+RUN_BY = {"nnx": "test_readme.py", "linen": "test_readme.py", "nnx-checkpoint": "test_readme.py",
+          "linen-checkpoint": "test_readme.py", "own-optimizer": "test_own_optimizer.py"}
+
+
+def test_every_example_is_run_by_a_test():
+  for doc in ("README.md", "BUILD.md"):
+    for name in re.findall(r"<!-- example: ([\w-]+) -->", (ROOT / doc).read_text()):
+      if name == "orbax":
+        continue
+      assert name in RUN_BY, f"{doc}'s example {name} is run by no test: add it to RUN_BY"
+      test = (ROOT / "tests" / RUN_BY[name]).read_text()
+      assert f'"{name}"' in test or f"example: {name} -->" in test, (name, RUN_BY[name])

@@ -138,6 +138,8 @@ def test_export_writes_every_parameter_unsharded(run, tmp_path):
     assert np.array_equal(tensors[name], x), name
   info = json.loads((tmp_path / "export" / "model.json").read_text())
   assert info["model"] == config.to_dict(run["cfg"])["model"]
+  extra = checkpoint.read_extra(str(run["workdir"] / "checkpoints"))  # training records the kind
+  assert extra["model"] == {"origin": "jaxpar", "kind": "gpt"}
   assert info["jaxpar_version"] == jaxpar.__version__ and info["step"] == 30
   assert info["n_params"] == sum(x.size for x in want.values())
 

@@ -59,3 +59,25 @@ def test_indivisible_dimension_is_an_error():
   model = jaxpar.from_nnx(M, lambda o, b: (o.sum(), {}))
   with pytest.raises(jaxpar.ConfigError, match=r"w of shape \(8, 6\): dimension 6 is not divisible by model=4"):
     jaxpar.Trainer(jaxpar.config.load(), jaxpar.make_mesh("2x4x1"), model)
+
+
+@pytest.mark.parametrize("name", ["nnx-checkpoint", "linen-checkpoint"])
+def test_readme_end_to_end_example_continues_the_run_and_exports_a_users_model(name):
+  """Evaluate, save on 2x4x1, load onto 8x1x1 ZeRO-3, export: the six losses are six unbroken
+  steps' on 2x4x1, and the export says the model is the user's own."""
+  import jax
+  scope = {}
+  exec(compile(example(name), f"README:{name}", "exec"), scope)
+  assert scope["trainer"].layout.stage == 3 and scope["trainer"].mesh.shape["data"] == 8
+  unbroken = scope["make_trainer"]("2x4x1")
+  state, losses = unbroken.init(seed=0), []
+  for _ in range(6):
+    state, metrics = unbroken.step(state, scope["batch"])
+    losses.append(float(metrics["loss"]))
+  np.testing.assert_allclose(scope["losses"], losses, rtol=1e-6, atol=1e-6)
+  assert losses[-1] < losses[0]
+  model = scope["info"]["model"]
+  assert model["origin"] == "user" and model["params"] == {
+      "up/kernel": {"shape": [32, 64], "dtype": "float32"},
+      "down/kernel": {"shape": [64, 10], "dtype": "float32"}}
+  assert scope["info"]["step"] == 3 and jax.device_get(scope["state"]["step"]) == 6

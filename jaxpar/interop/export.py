@@ -1,4 +1,5 @@
-"""A trained checkpoint as one unsharded safetensors file plus a JSON of its model config.
+"""A trained checkpoint as one unsharded safetensors file plus a JSON of its model config (for a
+model of the user's own, its parameter list: see `model_entry`).
 
 Tensor names are parameter paths joined with '/' (`wte`, `layers/wq`, ...), in the checkpoint's
 own layout: layers stacked on a leading axis in model order. Needs no mesh: the state is read
@@ -132,6 +133,23 @@ def write_safetensors(shapes: dict[str, tuple[tuple[int, ...], Any]],
     raise
 
 
+# What the JSON says of a model that jaxpar did not build (checkpoint.USER).
+USERS_OWN = ("a model of the user's own (jaxpar.from_nnx / from_linen): jaxpar cannot rebuild it; "
+             "build it with its own code and load these tensors by name")
+
+
+def model_entry(extra: dict, shapes: dict[str, tuple[tuple[int, ...], Any]]) -> dict:
+  """The JSON's "model": for one of jaxpar's kinds, the stored config's model section (what
+  rebuilds it; also for checkpoints that predate the origin record, which only jaxpar's kinds
+  wrote); for a user's own model, that it is one and its parameters' names, shapes and dtypes,
+  since the stored config's model section describes jaxpar's default model, not this one."""
+  if not checkpoint.users_model(extra):
+    return extra.get("config", {}).get("model", {})
+  return {"origin": checkpoint.USER, "description": USERS_OWN,
+          "params": {name: {"shape": [int(d) for d in shape], "dtype": np.dtype(dtype).name}
+                     for name, (shape, dtype) in shapes.items()}}
+
+
 def export(workdir: str, out: str, step: int | None = None) -> dict:
   """Writes `out` (.safetensors) and its config JSON; returns that JSON's content."""
   if not out.endswith(SUFFIX):
@@ -142,8 +160,9 @@ def export(workdir: str, out: str, step: int | None = None) -> dict:
     # time.
     shapes = {name: (tuple(m.shape), m.dtype)
               for name, m in sorted(checkpoint.stored_params(directory, step).items())}
-    cfg = checkpoint.read_extra(directory, step).get("config", {})
-    info = {"jaxpar_version": __version__, "step": step, "model": cfg.get("model", {}),
+    extra = checkpoint.read_extra(directory, step)
+    cfg = extra.get("config", {})
+    info = {"jaxpar_version": __version__, "step": step, "model": model_entry(extra, shapes),
             "param_dtype": cfg.get("precision", {}).get("param_dtype"),
             "n_params": int(sum(np.prod(shape) for shape, _ in shapes.values())),
             "n_tensors": len(shapes)}

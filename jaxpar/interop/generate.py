@@ -228,7 +228,11 @@ class Sampler:
     """Restores a checkpoint's parameters sharded, as the config stored with it lays them out."""
     directory, self.step = export.checkpoint_step(workdir, step)
     with checkpoint.readable(directory, self.step, export.STEP_REMEDY):
-      stored = checkpoint.read_extra(directory, self.step).get("config")
+      extra = checkpoint.read_extra(directory, self.step)
+    stored = extra.get("config")
+    if checkpoint.users_model(extra):
+      raise ConfigError(f"the checkpoint of step {self.step} in {directory} holds a model of "
+                        f"your own; jaxpar samples from its own decoders only")
     if stored is None:
       raise ConfigError(f"the checkpoint of step {self.step} in {directory} has no config")
     cfg = _overridden(jconfig.from_dict(stored), overrides)

@@ -133,8 +133,12 @@ def export(workdir: str, out_dir: str, step: int | None = None) -> dict:
   made = not os.path.exists(out_dir)
   try:
     with checkpoint.readable(directory, step, STEP_REMEDY):
-      return _export(directory, step, out_dir, jconfig.from_dict(
-          checkpoint.read_extra(directory, step).get("config", {})))
+      extra = checkpoint.read_extra(directory, step)
+      if checkpoint.users_model(extra):
+        raise ConfigError(f"the checkpoint of step {step} in {directory} holds a model of your "
+                          f"own, which has no Hugging Face layout; export it with --out "
+                          f"FILE.safetensors")
+      return _export(directory, step, out_dir, jconfig.from_dict(extra.get("config", {})))
   except BaseException:
     if made and os.path.isdir(out_dir):  # nothing half-written: the folder goes with its files
       shutil.rmtree(out_dir)

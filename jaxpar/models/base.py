@@ -42,6 +42,9 @@ class ModelDef:
   # loss(..., rng=key) takes the step's key (train_key) for the piece of the batch it is given;
   # rng=None (eval) runs deterministic
   takes_rng: bool = False
+  # the `model.kind` jaxpar built it from (models/registry.py); None for a model of the user's
+  # own (from_nnx, from_linen): checkpoints record it, so an export can say which it holds
+  kind: str | None = None
 
 
 # -- the per-step RNG ---------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+from dataclasses import replace
 from types import ModuleType
 
 from jaxpar import kinds
@@ -17,7 +18,7 @@ def module(kind: str) -> ModuleType:
 def build_model(cfg: Config) -> ModelDef:
   """The ModelDef for `model.kind`, once its model keys are checked."""
   kinds.check(cfg)
-  return module(cfg.model.kind).model_def(cfg)
+  return replace(module(cfg.model.kind).model_def(cfg), kind=cfg.model.kind)
 
 
 def decoder(cfg: Config) -> ModelDef:

@@ -1,7 +1,8 @@
 """Sharded, asynchronous checkpoints of the train state with orbax, restorable onto any mesh.
 
 A step directory `<directory>/<step>` holds two orbax items: `state` ({"step", "params", "opt"};
-every host writes only its own shards) and `extra` (JSON: data position, config, seed...). orbax
+every host writes only its own shards) and `extra` (JSON: data position, config, the model's
+origin...). orbax
 writes a step into `<step>.orbax-checkpoint-tmp` and renames it once complete, so a save killed
 halfway leaves only that tmp directory: orbax never lists it as a step, and the first save of the
 next run deletes it.
@@ -27,6 +28,22 @@ from jaxpar.models import precision
 from jaxpar.parallel.rules import path_str
 
 STATE, EXTRA = "state", "extra"
+
+# extra["model"]: where the checkpoint's model came from, {"origin": "jaxpar", "kind": "gpt"} or
+# {"origin": "user"} (from_nnx, from_linen). The config saved beside it describes jaxpar's model
+# kind only; a checkpoint without the entry (older ones) was written by jaxpar's training of its
+# own kinds.
+JAXPAR, USER = "jaxpar", "user"
+
+
+def model_origin(model) -> dict:
+  """The extra["model"] entry of a checkpoint of `model` (a ModelDef)."""
+  return {"origin": USER} if model.kind is None else {"origin": JAXPAR, "kind": model.kind}
+
+
+def users_model(extra: dict) -> bool:
+  """Whether a checkpoint's extra says its model is the user's own, not one of jaxpar's kinds."""
+  return extra.get("model", {}).get("origin") == USER
 
 
 def _manager(directory: str, options: ocp.CheckpointManagerOptions) -> ocp.CheckpointManager:

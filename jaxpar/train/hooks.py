@@ -241,7 +241,7 @@ class Checkpointing:
       if self.vote is not None:
         self.vote.until_saved(self.ckpt.saving)  # orbax starts a save by waiting for the last
       extra = {"data": self.batches.state(), "config": jconfig.to_dict(self.cfg),
-               "skipped_steps": skipped}
+               "skipped_steps": skipped, "model": jckpt.model_origin(self.trainer.model)}
       self.ckpt.maybe_save(step, self.trainer.to_logical(state), extra, force=True)
 
   def finish(self, step: int, watchdog: Watchdog) -> None:

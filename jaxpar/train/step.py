@@ -9,6 +9,7 @@ partitions the tensor-parallel matmuls inside. The optimizer update runs outside
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -18,6 +19,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import config as jconfig
 from jaxpar.config import Config, ConfigError
 from jaxpar.models import base as jmodel
 from jaxpar.models import precision
@@ -187,8 +189,48 @@ class Trainer:
     return state
 
   def restore(self, ckpt, step: int) -> tuple[dict, dict]:
-    """(state, extra) of checkpoint `step` onto this trainer's layout (checkpoint.restore_state)."""
+    """(state, extra) of checkpoint `step` onto this trainer's layout (checkpoint.restore_state),
+    the layer stack in the model's order (`from_logical` makes it the step's). `load` is the
+    public form."""
     return jckpt.restore_state(ckpt, step, self.state_layout)
+
+  def save(self, workdir: str, state: dict) -> int:
+    """Writes `state` as the checkpoint of its step, `<workdir>/checkpoints/<step>`, the layout
+    `jaxpar-train` writes (so `jaxpar-export --workdir` reads it), and returns the step.
+
+    Every process calls it; each writes only its own shards. It returns once the checkpoint is
+    complete on disk, and `state` stays valid (keep stepping it). Beside the state go the config
+    and the model's origin (jaxpar's `model.kind`, or a model of your own), which export reads.
+    A step that is saved already is an error, not overwritten."""
+    step = int(jax.device_get(state["step"]))
+    directory = os.path.join(workdir, "checkpoints")
+    extra = {"config": jconfig.to_dict(self.cfg), "model": jckpt.model_origin(self.model)}
+    with jckpt.Checkpointer(directory, keep=None, every=0, async_save=False) as ckpt:
+      if step in ckpt.all_steps():
+        raise ConfigError(f"{directory} holds a checkpoint of step {step} already; save into "
+                          f"another workdir, or remove {os.path.join(directory, str(step))}")
+      ckpt.maybe_save(step, self.to_logical(state), extra, force=True)
+    return step
+
+  def load(self, workdir: str, step: int | None = None) -> dict:
+    """The state of checkpoint `step` (default: the latest) in `<workdir>/checkpoints`, read
+    straight into this trainer's shardings, ready for `step`.
+
+    The checkpoint may come from any mesh and ZeRO stage (`save`, or `jaxpar-train`): each
+    device reads only its own slices. A parameter the model lacks or shapes otherwise is one
+    sentence naming it."""
+    directory = os.path.join(workdir, "checkpoints")
+    with jckpt.Checkpointer(directory, keep=1, every=0) as ckpt:
+      steps = ckpt.all_steps()
+      if not steps or (step is not None and step not in steps):
+        have = f"it has steps {', '.join(map(str, steps))}" if steps else "it has none"
+        raise ConfigError(f"no checkpoint of step {'(any)' if step is None else step} in "
+                          f"{directory}; {have}")
+      step = steps[-1] if step is None else step
+      with jckpt.readable(directory, step, ("load step={older}, the step before",
+                                            "no step before it is complete")):
+        state, _ = self.restore(ckpt, step)
+    return self.from_logical(state)
 
   # -- layer order (parallel/pipeline.py: the circular schedule's rows of the layer stack) --------
 
