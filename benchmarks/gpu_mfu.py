@@ -41,7 +41,7 @@ from jaxpar import config as jconfig
 from jaxpar.analysis import hlo
 from jaxpar.models import gpt
 from jaxpar.models import registry as jmodel
-from jaxpar.models.decoder import REMAT
+from jaxpar.models.stack import REMAT
 from jaxpar.parallel import mesh as jmesh
 from jaxpar.train import metrics
 from jaxpar.train.step import Trainer
