@@ -12,6 +12,7 @@ from test_user_models import LM, B, batch, masked_loss
 
 import jaxpar
 from jaxpar.parallel import rules
+from jaxpar.planning import plan
 from jaxpar.train import checkpoint
 
 STEPS = 10
@@ -112,6 +113,19 @@ def test_frozen_parameters_hold_no_optimizer_state_and_the_rest_is_sharded(tx):
   assert opt_bytes_per_device(with_all) < 2 * n_params / 8 + 100
   frozen_leaves = jax.tree_util.tree_leaves(without_emb["opt"], is_leaf=lambda x: x is None)
   assert not any(np.shape(x) == emb.shape for x in frozen_leaves)
+
+
+def test_plan_reports_the_optimizer_bytes_frozen_parameters_do_not_take():
+  cfg = jaxpar.config.load(None, [f"train.batch_size={B}", "parallel.zero_stage=1"])
+  model = jaxpar.from_nnx(LM, masked_loss)
+  every = plan.plan(cfg, "8x1x1", model=model, batch=batch())
+  report = plan.plan(cfg, "8x1x1", model=model, batch=batch(), frozen=frozen_emb)
+  emb = next(p for p in report["parameters"] if p["path"] == "emb/embedding")
+  emb_bytes = int(np.prod(emb["shape"])) * 4
+  # AdamW's two moments of the embedding, each split over the 8 data shards, are not there
+  assert (every["bytes_per_device"]["opt_state"] - report["bytes_per_device"]["opt_state"]
+          == 2 * emb_bytes // 8)
+  assert every["bytes_per_device"]["params"] == report["bytes_per_device"]["params"]
 
 
 def test_frozen_with_the_configs_adamw_keeps_them_bit_identical_and_out_of_the_norm():

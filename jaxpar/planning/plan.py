@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.analysis import hlo
-from jaxpar.config import Config, to_dict
+from jaxpar.config import Config, ConfigError, to_dict
 from jaxpar.data import batch_spec
 from jaxpar.models import base as jmodel
 from jaxpar.models.registry import build_model
@@ -55,9 +55,14 @@ def _batch_abstract(cfg: Config) -> dict:
   return {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in batch_spec(cfg).items()}
 
 
-def plan(cfg: Config, mesh_shape: str | Sequence[int],
-         devices: Sequence[Any] | None = None) -> dict:
-  """The DESIGN plan JSON of one step of `cfg` on a DxMxP mesh over the first D*M*P `devices`."""
+def plan(cfg: Config, mesh_shape: str | Sequence[int], devices: Sequence[Any] | None = None,
+         model: jmodel.ModelDef | None = None, batch: Any = None, **trainer_kw) -> dict:
+  """The DESIGN plan JSON of one step of `cfg` on a DxMxP mesh over the first D*M*P `devices`.
+
+  `model` (default: `model.kind`'s) may be a user's own (`jaxpar.from_nnx` ...), with `batch` a
+  batch or its ShapeDtypeStructs (default: the config's token batch) and `trainer_kw` what
+  `jaxpar.Trainer` takes beside it (`tx`, `frozen`, `rules` ...): what that trainer's state costs.
+  """
   # Bad input (mesh, divisibility, too few devices) raises ConfigError before anything compiles.
   if isinstance(mesh_shape, str):
     shape = jmesh.parse(mesh_shape)
@@ -67,17 +72,22 @@ def plan(cfg: Config, mesh_shape: str | Sequence[int],
   devices = list(jax.devices() if devices is None else devices)
   # A mesh smaller than the devices present is a valid plan (the rest idle); a larger one is not.
   devices = devices[:n] if len(devices) >= n else devices
-  jmesh.check(shape, cfg, len(devices))
+  if model is None:  # the config's model: every degree checked against it
+    jmesh.check(shape, cfg, len(devices))
+  elif n > len(devices):
+    raise ConfigError(f"mesh {'x'.join(map(str, shape))} needs {n} devices, found {len(devices)}")
   mesh = jmesh.make(shape, devices)
-  model = _model(cfg)
-  trainer = Trainer(cfg, mesh, model)
-  compiled = trainer.lower(_batch_abstract(cfg)).compile()
+  model = _model(cfg) if model is None else model
+  trainer = Trainer(cfg, mesh, model, **trainer_kw)
+  batch = _batch_abstract(cfg) if batch is None else jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+  compiled = trainer.lower(batch).compile()
   text = compiled.as_text()
 
   # What the state costs is read off its layout (train/layout.py); the rest off the program.
   layout = trainer.state_layout
   is_spec = lambda x: isinstance(x, P)
-  abstract = model.abstract
+  abstract = trainer.model.abstract
   param_sh = layout.state_shardings["params"]
   grad_sh = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), layout.zero.grads,
                                    is_leaf=is_spec)
@@ -100,7 +110,7 @@ def plan(cfg: Config, mesh_shape: str | Sequence[int],
   leaves = lambda tree, leaf=None: jax.tree_util.tree_leaves(tree, is_leaf=leaf)
   is_axes = lambda x: isinstance(x, tuple) and not is_spec(x)
   for (path, a), logical, p_sh, g_sh, o_spec in zip(
-      flat, leaves(model.logical, is_axes), leaves(param_sh), leaves(grad_sh),
+      flat, leaves(trainer.model.logical, is_axes), leaves(param_sh), leaves(grad_sh),
       leaves(layout.zero.opt, is_spec)):
     parameters.append({
         "path": rules.path_str(path),
