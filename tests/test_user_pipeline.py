@@ -246,3 +246,40 @@ def test_what_the_step_finds_is_one_sentence():
   with pytest.raises(jaxpar.ConfigError, match=r"loss_fn's 'loss_weight' metric weighs") as e:
     t.step(t.init(0), batch())
   one_sentence(e)
+
+
+@pytest.mark.parametrize("mesh,overrides", LAYOUTS[1:4:2], ids=IDS[1:4:2])
+def test_ten_steps_with_an_own_optimizer_and_a_frozen_embedding_match_plain_jax(mesh, overrides):
+  cfg = jaxpar.config.load(None, [f"train.batch_size={B}", "precision.compute_dtype=float32",
+                                  *overrides])
+  t = jaxpar.Trainer(cfg, jaxpar.make_mesh(mesh), stack(), tx=optax.adam(1e-2),
+                     frozen=lambda path: path.startswith("embed/"))
+  state = t.init(0)
+  params0 = jax.device_get(t.to_logical(state)["params"])
+  losses = []
+  for _ in range(10):
+    state, m = t.step(state, batch())
+    losses.append(float(m["loss"]))
+  embed, head, tx = graph(Embed), graph(Head), optax.adam(1e-2)
+
+  def loss(train):
+    x = nnx.merge(embed, params0["embed"])(batch()["x"])
+    for i in range(L):
+      x = nnx_block(jax.tree_util.tree_map(lambda a: a[i], train["layers"]), x)
+    return loss_fn(nnx.merge(head, train["head"])(x), batch())[0]
+
+  @jax.jit
+  def step(train, opt):
+    value, grads = jax.value_and_grad(loss)(train)
+    updates, opt = tx.update(grads, opt, train)
+    return optax.apply_updates(train, updates), opt, value
+  train = {"layers": params0["layers"], "head": params0["head"]}
+  opt, want = tx.init(train), []
+  for _ in range(10):
+    train, opt, value = step(train, opt)
+    want.append(float(value))
+  np.testing.assert_allclose(losses, want, rtol=1e-5)
+  final = jax.device_get(t.to_logical(state)["params"])
+  eq.assert_trees_close({"layers": final["layers"], "head": final["head"]}, train, "parameter")
+  np.testing.assert_array_equal(jax.tree_util.tree_leaves(final["embed"]),
+                                jax.tree_util.tree_leaves(params0["embed"]))
