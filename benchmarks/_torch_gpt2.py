@@ -1,7 +1,8 @@
 """The torch side of vs_pytorch.py: HF GPT2LMHeadModel + torch.optim.AdamW, eager, on the CPU.
 
 Imports neither jax nor jaxpar, so it can run in a process of its own as torch users run it
-(jaxpar sets glibc's malloc in its own process for one-device CPU runs; see jaxpar/hostmem.py).
+(jaxpar sets glibc's malloc in its own process for one-device CPU runs; see
+jaxpar/parallel/hostmem.py).
 `python benchmarks/_torch_gpt2.py SETUP.pkl` serves vs_pytorch.py over stdin/stdout: one JSON
 command per line in, one JSON reply per line out.
 """

@@ -6,8 +6,8 @@ freshly initialised parameters continues a prompt of random byte tokens, greedil
 stop token, so both paths produce every new token; tokens/s is new tokens over the wall time of
 the whole call (prompt encoding included), after an untimed call that compiles it; tokens per
 CPU-second of this process are recorded too. The two paths
-follow the same window rule (jaxpar/generate.py), so their tokens are compared too. The ratio is a
-measurement: the script exits 0 whatever it is and prints the verdict.
+follow the same window rule (jaxpar/interop/generate.py), so their tokens are compared too. The
+ratio is a measurement: the script exits 0 whatever it is and prints the verdict.
 Writes benchmarks/results/generate.json by default (git-ignored; the committed figures are in
 benchmarks/reference/).
 """

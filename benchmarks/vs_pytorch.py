@@ -15,7 +15,7 @@ per-repeat ratios. `--phases` also times forward and forward+backward alone on e
 
 Each side has its process: torch in benchmarks/_torch_gpt2.py (driven window by window over a
 pipe, timing itself), jaxpar in this one, so jaxpar's malloc setting for one-device CPU runs
-(jaxpar/hostmem.py; JAXPAR_HOST_MALLOC=off turns it off) does not reach torch.
+(jaxpar/parallel/hostmem.py; JAXPAR_HOST_MALLOC=off turns it off) does not reach torch.
 `--torch-in-process` runs torch here instead. The ratio is a measurement: the script exits 0
 whatever it is. Writes benchmarks/results/vs_pytorch.json by default (git-ignored; committed
 figures are in benchmarks/reference/).
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     ap.error("--steps, --repeats and --threads must be positive, --warmup not negative")
   try:
     cfg = comparison_config(args.overrides)
-    hostmem.configure(1)  # as train.py on one CPU device, before JAX starts (jaxpar/hostmem.py)
+    hostmem.configure(1)  # as train.py on one CPU device, before JAX starts (parallel/hostmem.py)
   except jconfig.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -8,7 +8,7 @@ ARCHITECTURE.md.
 """
 from jaxpar.parallel import hostmem
 
-hostmem.configure()  # before JAX starts its threads; see hostmem.py
+hostmem.configure()  # before JAX starts its threads; see parallel/hostmem.py
 
 from jaxpar import config  # noqa: E402
 from jaxpar.config import Config, ConfigError  # noqa: E402

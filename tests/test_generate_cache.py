@@ -1,4 +1,4 @@
-"""Incremental decoding (jaxpar/models/kvcache.py, jaxpar/generate.py) against the full-recompute
+"""Incremental decoding (models/kvcache.py, interop/generate.py) against the full-recompute
 reference: the cached step's logits equal the full forward's (fp32, 1e-5), greedy tokens are
 the same token for token on one device and tensor parallel, batched prompts of different lengths
 give what each gives alone, and the sampling options, the stop token and the seq_len window rule

@@ -51,7 +51,7 @@ def setup(args, processes: int = 1) -> tuple[jconfig.Config, tuple[int, int, int
     each = f" in each of {processes} processes" if processes > 1 else ""
     print(f"jaxpar: simulating {local} CPU devices{each} for mesh {args.mesh} "
           f"(XLA_FLAGS=--xla_force_host_platform_device_count={local})", file=sys.stderr)
-  hostmem.configure(local)  # one CPU device here: keep XLA's freed temporaries (see hostmem.py)
+  hostmem.configure(local)  # one CPU device: keep XLA's freed temporaries (parallel/hostmem.py)
   use_compile_cache(cfg)
   return cfg, shape
 

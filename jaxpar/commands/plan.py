@@ -1,12 +1,12 @@
 """Static plan of one training step, or a search for the best layout. Compiles, runs nothing.
 
 jaxpar-plan --mesh DxMxP [--config FILE] [--set key=value ...] [--json] [--debug]
-  one layout: shardings, bytes per device, collectives, FLOPs (jaxpar/plan.py)
+  one layout: shardings, bytes per device, collectives, FLOPs (jaxpar/planning/plan.py)
 jaxpar-plan --auto --devices N [--memory-per-device BYTES] [--device-kind KIND]
     [--max-candidates K] [--time-limit S] [--top 5] [--config FILE] [--set ...] [--json]
   every DxMxP mesh of N devices x ZeRO 0-3 x schedule x microbatches the model allows, each
   compiled on N simulated devices, ranked by predicted step time among those whose peak bytes per
-  device fit the budget (jaxpar/autoplan.py)
+  device fit the budget (jaxpar/planning/autoplan.py)
 jaxpar-plan --analytic --devices N [--params PSI] [--state-bytes P,G,K] [...]
   the same ranking from formulas alone, with the ZeRO paper's model-state bytes per stage
 Exit code: 0 with a result, 1 when a search finds no layout within the memory budget (the output
