@@ -41,6 +41,10 @@ class ModelConfig:
   max_positions: int = 0  # gpt: rows of the position table; 0 = seq_len (imports keep theirs)
   norm_eps: float = 1e-5  # llama: RMSNorm epsilon
   rope_theta: float = 10000.0  # llama: rotary base
+  # gpt, llama: residual dropout (GPT-2's) on the embeddings and on each block's attention and MLP
+  # outputs, in training only; its masks follow each step's key (train.seed, the step) and the
+  # global batch row, so every layout draws the same ones. In [0, 1); not with a pipeline.
+  dropout: float = 0.0
   num_classes: int = 10  # cnn only
 
 
@@ -158,7 +162,7 @@ _POSITIVE = ("model.n_layers", "model.d_model", "model.n_heads", "model.d_ff", "
              "parallel.virtual_stages", "checkpoint.keep", "precision.initial_scale",
              "precision.growth_interval", "precision.min_scale", "model.norm_eps", "model.rope_theta",
              "train.spike_steps", "train.spike_window")
-_BELOW_ONE = ("train.b1", "train.b2")  # in [0, 1): Adam's betas
+_BELOW_ONE = ("train.b1", "train.b2", "model.dropout")  # in [0, 1): Adam's betas, dropout
 _FRACTION = ("train.min_lr_ratio",)  # in [0, 1]: the final learning rate, a fraction of the peak
 _NON_NEGATIVE = ("model.n_kv_heads", "model.max_positions", "parallel.microbatches", "train.warmup_steps", "train.weight_decay", "train.clip_norm",
                  "checkpoint.every", "data.max_bytes", "train.lr", "data.workers",

@@ -50,7 +50,9 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          problems=_decoder_problems),
     Kind("llama", "jaxpar.models.llama", decoder=True, hf_architecture="LlamaForCausalLM",
          problems=_llama_problems),
-    Kind("cnn", "jaxpar.models.cnn", decoder=False),
+    Kind("cnn", "jaxpar.models.cnn", decoder=False,
+         problems=lambda m: [f"model.dropout={m.dropout} is for the decoders (gpt, llama); the "
+                             "cnn has none, use 0"] if m.dropout else []),
 )}
 DECODERS = tuple(name for name, k in KINDS.items() if k.decoder)
 

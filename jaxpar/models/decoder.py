@@ -13,12 +13,14 @@ Letters: B batch, T seq, D embed, V vocab, L layers.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.config import ConfigError
 from jaxpar.models import precision, stack
 from jaxpar.models.base import ModelDef, from_nnx
 from jaxpar.models.stack import Parts
@@ -39,6 +41,21 @@ def param_maker(rngs, dtype) -> Callable:
   def param(shape, axes, init):
     return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes)
   return param
+
+
+def dropout(x: jax.Array, rate: float, key, which: int) -> jax.Array:
+  """GPT-2's residual dropout of x (B, T, D): each element kept with probability 1 - rate and
+  scaled by 1 / (1 - rate), the mask drawn from fold_in(key, which); x itself without a key.
+
+  `key` is the step's key for the rows x holds (models/base.py's at_rows, folded with the layer),
+  and the draw has x's leading batch axis, so row r gets the bits of global row r on any split of
+  the batch; the bits are counter-based (iota and threefry per element), so a draw split over
+  `model` (sequence parallelism) is the same draw.
+  """
+  if key is None or rate == 0:
+    return x
+  keep = jax.random.bernoulli(jax.random.fold_in(key, which), 1.0 - rate, x.shape)
+  return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
 
 
 def forward(parts: Parts, params: dict, tokens: jax.Array, ctx: StepContext = StepContext(),
@@ -63,9 +80,21 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, manual=frozenset()) -> 
   return jnp.mean(lse - picked)
 
 
+def with_embed_dropout(parts: Parts, rate: float, key, n_layers: int) -> Parts:
+  """`parts` whose embedding output is dropped out with fold_in(key, n_layers), a key no layer
+  gets (layer i folds in i); `parts` itself without a key."""
+  if key is None or rate == 0:
+    return parts
+  key = jax.random.fold_in(key, n_layers)
+  embed = parts.embed
+  return replace(parts, embed=lambda top, inputs, dtype: dropout(embed(top, inputs, dtype), rate,
+                                                                 key, 0))
+
+
 def loss(parts: Parts, params: dict, batch: dict, ctx: StepContext = StepContext(),
          remat: str = "none") -> tuple[jax.Array, dict]:
-  """batch['tokens'] (B, T+1) -> (mean next-token loss, {})."""
+  """batch['tokens'] (B, T+1) -> (mean next-token loss, {}); `ctx.rng` is dropout's key (the
+  blocks and `with_embed_dropout` use it), None: deterministic."""
   tokens = batch["tokens"]
   logits = forward(parts, params, tokens[:, :-1], ctx, remat)
   return cross_entropy(logits, tokens[:, 1:], ctx.manual), {}
@@ -94,14 +123,21 @@ def model_def(cfg, module) -> ModelDef:
   parts = module.parts(mc)
   base = from_nnx(lambda rngs: module.MODULE(mc, rngs=rngs, param_dtype=param_dtype),
                   loss_fn=lambda out, batch: (out, {}))
+  rate = mc.dropout
 
   def loss_(params, batch, ctx=StepContext(), rng=None):
-    return loss(parts, params, batch, ctx, remat)
+    if rate == 0 or rng is None:  # evaluation, or no dropout: today's program, no key in it
+      return loss(parts, params, batch, replace(ctx, rng=None), remat)
+    return loss(with_embed_dropout(parts, rate, rng, mc.n_layers), params, batch,
+                replace(ctx, rng=rng), remat)
 
   def pipeline(params, micro, sched, ctx=StepContext(), loss_scale=1.0, forward_only=False):
+    if rate > 0 and not forward_only:  # mesh.check says so first; a Trainer made without it
+      raise ConfigError(f"model.dropout={rate} is not supported with a pipeline: the schedule "
+                        "does not carry the step's key; use pipeline=1 or model.dropout=0")
     return pipeline_grads(parts, params, micro, sched, ctx, remat, loss_scale, forward_only)
   # DESIGN's model FLOPs per token: 6 N_nonembedding + 12 L D T (causal attention counted in full)
   flops_tok = 6 * module.n_params_nonembedding(mc) + 12 * mc.n_layers * mc.d_model * mc.seq_len
   return ModelDef(init=base.init, loss=loss_, logical=base.logical, abstract=base.abstract,
                   tokens_per_example=mc.seq_len, flops_per_example=flops_tok * mc.seq_len,
-                  pipeline=pipeline)
+                  pipeline=pipeline, takes_rng=rate > 0)

@@ -200,20 +200,23 @@ def _qkv(p: dict, x: jax.Array, cfg: ModelConfig, manual) -> tuple[jax.Array, ..
   return constrain(q, ("batch", "seq", "heads", "kv"), manual=manual), k, v
 
 
-def _out_mlp(p: dict, x: jax.Array, a: jax.Array, manual) -> jax.Array:
-  """Attention's out-projection, residual, pre-norm MLP, residual. x (B, T, D), a (B, T, H, K)."""
+def _out_mlp(p: dict, x: jax.Array, a: jax.Array, manual, rate: float = 0.0,
+             key=None) -> jax.Array:
+  """Attention's out-projection, residual, pre-norm MLP, residual. x (B, T, D), a (B, T, H, K).
+  With a key, each branch's output is dropped out (`rate`) before it joins the residual."""
   B, T = x.shape[:2]
   w = lambda name: p[name].astype(x.dtype)
   a = tensor.row_parallel(a.reshape(B, T, -1), w("wo"), manual) + w("bo")
-  x = checkpoint_name(x + a, "mid")
+  x = checkpoint_name(x + decoder.dropout(a, rate, key, 0), "mid")
   h, = tensor.column_parallel(layer_norm(x, p["ln2_scale"], p["ln2_bias"]), [w("w1")], manual)
   h = jax.nn.gelu(checkpoint_name(h + w("b1"), "mlp_in"))  # (B, T, F)
-  return x + tensor.row_parallel(h, w("w2"), manual) + w("b2")
+  return x + decoder.dropout(tensor.row_parallel(h, w("w2"), manual) + w("b2"), rate, key, 1)
 
 
 def block(p: dict, x: jax.Array, cfg: ModelConfig, ctx: StepContext = StepContext()) -> jax.Array:
   """One pre-norm decoder block. p: one layer's weights, whole; x (B, T, D) -> (B, T, D) in x's
-  dtype; `ctx.manual` says which collectives the tensor-parallel matmuls run.
+  dtype; `ctx.manual` says which collectives the tensor-parallel matmuls run; `ctx.rng` (this
+  layer's key, training only) turns on `cfg.dropout`'s residual dropout.
 
   The projections before attention and the MLP after it are checkpoints that keep only `_KEEP`'s
   names; attention, between them, keeps its own residuals, so neither cuDNN's fused kernel nor
@@ -224,8 +227,8 @@ def block(p: dict, x: jax.Array, cfg: ModelConfig, ctx: StepContext = StepContex
   q, k, v = jax.checkpoint(lambda p, x: _qkv(p, x, cfg, manual), policy=_NOTHING,
                            prevent_cse=False)(p, x)
   a = attention(q, k, v)  # (B, T, H, K)
-  return jax.checkpoint(lambda p, x, a: _out_mlp(p, x, a, manual), policy=_KEEP,
-                        prevent_cse=False)(p, x, a)
+  return jax.checkpoint(lambda p, x, a, key: _out_mlp(p, x, a, manual, cfg.dropout, key),
+                        policy=_KEEP, prevent_cse=False)(p, x, a, ctx.rng)
 
 
 def parts(cfg: ModelConfig) -> decoder.Parts:

@@ -90,22 +90,27 @@ def _qkv(p: dict, x: jax.Array, cfg: ModelConfig, manual, positions=None) -> tup
   return constrain(q, ("batch", "seq", "heads", "kv"), manual=manual), k, v
 
 
-def _out_mlp(p: dict, x: jax.Array, a: jax.Array, cfg: ModelConfig, manual) -> jax.Array:
+def _out_mlp(p: dict, x: jax.Array, a: jax.Array, cfg: ModelConfig, manual,
+             key=None) -> jax.Array:
   """Attention's out-projection, residual, pre-norm SwiGLU MLP, residual. x (B, T, D),
-  a (B, T, H, K) -> (B, T, D)."""
+  a (B, T, H, K) -> (B, T, D). With a key, each branch's output is dropped out (`cfg.dropout`)
+  before it joins the residual."""
   B, T = x.shape[:2]
   w = lambda name: p[name].astype(x.dtype)
-  x = x + tensor.row_parallel(a.reshape(B, T, -1), w("wo"), manual)
+  a = tensor.row_parallel(a.reshape(B, T, -1), w("wo"), manual)
+  x = x + decoder.dropout(a, cfg.dropout, key, 0)
   gate, up = tensor.column_parallel(rms_norm(x, p["mlp_norm"], cfg.norm_eps),
                                     [w("w_gate"), w("w_up")], manual)  # over mlp
-  return x + tensor.row_parallel(jax.nn.silu(gate) * up, w("w_down"), manual)
+  m = tensor.row_parallel(jax.nn.silu(gate) * up, w("w_down"), manual)
+  return x + decoder.dropout(m, cfg.dropout, key, 1)
 
 
 def block(p: dict, x: jax.Array, cfg: ModelConfig, ctx: StepContext = StepContext()) -> jax.Array:
   """One pre-norm Llama block. p: one layer's weights, whole; x (B, T, D) -> (B, T, D) in x's
-  dtype; `ctx.manual` says which collectives the tensor-parallel matmuls run."""
+  dtype; `ctx.manual` says which collectives the tensor-parallel matmuls run; `ctx.rng` (this
+  layer's key, training only) turns on `cfg.dropout`'s residual dropout."""
   q, k, v = _qkv(p, x, cfg, ctx.manual)
-  return _out_mlp(p, x, attention(q, k, v), cfg, ctx.manual)
+  return _out_mlp(p, x, attention(q, k, v), cfg, ctx.manual, ctx.rng)
 
 
 def block_cached(p: dict, x: jax.Array, positions: jax.Array, k_cache: jax.Array,

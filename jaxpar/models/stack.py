@@ -60,18 +60,23 @@ def run_layers(layers: dict, x: jax.Array, block: Callable[..., jax.Array],
   dims of the stacked leaves: each layer's shards are all-gathered inside the scan body and
   gathered again in the backward (`zero.regather` when nothing is rematerialised), so at most a
   layer or two is whole on a device at a time. The block gets `ctx` without dims: its weights
-  arrive whole.
+  arrive whole. With a key (`ctx.rng`, dropout) the block of layer i gets fold_in(key, i), i the
+  index in this scan (the model's layer index when the whole stack is scanned at once).
   """
   layer_dims = zero.shift(ctx.dims)
   layer_ctx = replace(ctx, dims=None)  # the block's weights arrive gathered
+  keyed = ctx.rng is not None
 
-  def body(x, p):
-    return block(zero.gather(p, layer_dims), x, layer_ctx), None
+  def body(x, p_i):
+    p, i = p_i
+    lctx = replace(layer_ctx, rng=jax.random.fold_in(ctx.rng, i)) if keyed else layer_ctx
+    return block(zero.gather(p, layer_dims), x, lctx), None
   if remat != "none":
     body = jax.checkpoint(body, prevent_cse=False, policy=remat_policy(remat))
   elif ctx.dims is not None:
     body = zero.regather(body)
-  x, _ = jax.lax.scan(body, x, layers)
+  n = jax.tree_util.tree_leaves(layers)[0].shape[0]
+  x, _ = jax.lax.scan(body, x, (layers, jnp.arange(n, dtype=jnp.uint32) if keyed else None))
   return x
 
 

@@ -61,6 +61,10 @@ def check(shape: tuple[int, int, int], cfg: Config, n_devices: int) -> None:
     stages = p * (pc.virtual_stages if pc.schedule == "circular" else 1)
     if mc.n_layers % stages:
       problems.append(f"model.n_layers={mc.n_layers} is not divisible by {stages} pipeline stages")
+    if p > 1 and mc.dropout > 0:
+      problems.append(f"model.dropout={mc.dropout} is not supported with a pipeline "
+                      f"(pipeline={p}): the schedule does not carry the step's key; use pipeline=1 "
+                      "or model.dropout=0")
   elif p > 1:
     problems.append(f"model.kind={mc.kind} has no layers to pipeline, use pipeline=1")
   if pc.sequence_parallel and decoder and mc.seq_len % m:
