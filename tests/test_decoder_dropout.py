@@ -109,7 +109,6 @@ def test_dropout_zero_is_todays_step():
   cfg = make_cfg()
   assert not jmodel.build_model(cfg).takes_rng
   assert one_device_loss(cfg, step_key(cfg, 0)) == one_device_loss(cfg, None)
-  assert first_step(make_cfg("model.dropout=0.0"), (2, 2, 1))[0] == first_step(cfg, (2, 2, 1))[0]
 
 
 @pytest.mark.parametrize("value", ["1.0", "-0.1", "1.5"])
