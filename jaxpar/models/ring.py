@@ -1,0 +1,133 @@
+"""Ring attention: causal attention over a sequence split along a mesh axis (context parallelism).
+
+Each of the C devices on the axis holds 2 of the sequence's 2C chunks, i and 2C-1-i (`balanced`):
+under a causal mask the early chunks see few keys and the late ones many, so each device gets one
+of each and the work is even. Keys and values travel around the ring (`ppermute`, C-1 hops);
+each device folds every visiting key/value chunk into its two query chunks with the blockwise
+online softmax (models/blockwise.py's fold/finish contract), skipping pairs the mask hides
+wholly (`lax.cond`). The backward is its own ring: each device recomputes its pairs' scores from
+the saved logsumexp (`fold_grad`), keeps its queries' gradient, and the keys' and values'
+gradients travel with their chunk, C hops, back to the device that holds it.
+
+What one device sends per attention call: forward, its k and v chunks C-1 times,
+2 (C-1) x B x (T/C) x G x K x bytes; backward, as much again for k and v plus C times the same
+for their gradients (float32). No device ever holds more than its own T/C queries and one
+visiting T/C keys; no T x T or (T/C) x T score matrix is formed beyond one chunk pair.
+
+Not yet wired into the trainer (a `context` mesh axis); called inside a shard_map that is manual
+over `axis`, with q (B, T/C, H, K) and k, v (B, T/C, G, K) in the `balanced` order.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxpar.models import blockwise as bw
+
+F32 = jnp.float32
+
+
+def balanced(T: int, C: int) -> np.ndarray:
+  """The positions in the order the devices hold them: device i's T/C positions are chunk i then
+  chunk 2C-1-i of 2C equal chunks. x[:, balanced(T, C)] lays a (B, T, ...) array out for the
+  ring; x[:, np.argsort(balanced(T, C))] puts it back."""
+  if T % (2 * C):
+    raise ValueError(f"a sequence of {T} does not split into 2 x {C} equal chunks")
+  c = T // (2 * C)
+  chunk = lambda j: np.arange(j * c, (j + 1) * c)
+  return np.concatenate([np.concatenate([chunk(i), chunk(2 * C - 1 - i)]) for i in range(C)])
+
+
+def _starts(i, C: int, c: int) -> tuple:
+  """First positions of the two chunks device `i` holds."""
+  return i * c, (2 * C - 1 - i) * c
+
+
+def _shift(x, axis: str, C: int):
+  """x from device j to device j+1 around the ring."""
+  return lax.ppermute(x, axis, [(j, (j + 1) % C) for j in range(C)])
+
+
+def _halves(x):
+  """(B, G, [R,] 2c, K) -> its two chunks along the sequence axis (second to last)."""
+  c = x.shape[-2] // 2
+  return x[..., :c, :], x[..., c:, :]
+
+
+def _forward(q, k, v, axis: str):
+  C, i = lax.axis_size(axis), lax.axis_index(axis)
+  G, K = k.shape[2], q.shape[3]
+  c = q.shape[1] // 2
+  scale = 1.0 / math.sqrt(K)
+  qs = _halves(bw.grouped_q(q, G))  # 2 x (B, G, R, c, K)
+  q_starts = _starts(i, C, c)
+  kg, vg = bw.grouped_kv(k), bw.grouped_kv(v)  # (B, G, 2c, K)
+  states = [bw.init_state(qa, kg, vg) for qa in qs]
+  for s in range(C):
+    k_starts = _starts((i - s) % C, C, c)
+    for b, (kb, vb) in enumerate(zip(_halves(kg), _halves(vg))):
+      for a in range(2):
+        fold = functools.partial(bw.fold, q=qs[a], k=kb, v=vb, q_start=q_starts[a],
+                                 k_start=k_starts[b], scale=scale)
+        states[a] = lax.cond(bw.visible(q_starts[a], c, k_starts[b]),
+                             lambda st, f=fold: f(st), lambda st: st, states[a])
+    if s < C - 1:
+      kg, vg = _shift(kg, axis, C), _shift(vg, axis, C)
+  outs, lses = zip(*(bw.finish(st) for st in states))
+  out = bw.ungrouped_q(jnp.concatenate(outs, axis=-2)).astype(q.dtype)
+  return out, jnp.concatenate(lses, axis=-1)  # lse (B, G, R, 2c)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str) -> jax.Array:
+  """Causal attention of this device's queries over the whole ring's keys (see the module
+  docstring); q (B, 2c, H, K), k and v (B, 2c, G, K) -> (B, 2c, H, K) in q's dtype."""
+  return _forward(q, k, v, axis)[0]
+
+
+def _ring_fwd(q, k, v, axis):
+  out, lse = _forward(q, k, v, axis)
+  return out, (q, k, v, out, lse)
+
+
+def _ring_bwd(axis, res, dout):
+  q, k, v, out, lse = res
+  C, i = lax.axis_size(axis), lax.axis_index(axis)
+  G, K = k.shape[2], q.shape[3]
+  c = q.shape[1] // 2
+  scale = 1.0 / math.sqrt(K)
+  delta = (dout.astype(F32) * out.astype(F32)).sum(-1)  # (B, 2c, H)
+  qs, dos = _halves(bw.grouped_q(q, G)), _halves(bw.grouped_q(dout, G))
+  deltas = _halves(bw.grouped_q(delta[..., None], G)[..., 0][..., None])
+  lses = _halves(lse[..., None])
+  q_starts = _starts(i, C, c)
+  kg, vg = bw.grouped_kv(k), bw.grouped_kv(v)
+  dqs = [bw._zeros(qa.shape, qa, kg, dout) for qa in qs]
+  dk = dv = bw._zeros(kg.shape, q, kg, dout)  # travel with their chunk
+  for s in range(C):
+    k_starts = _starts((i - s) % C, C, c)
+    dk_parts, dv_parts = list(_halves(dk)), list(_halves(dv))
+    for b, (kb, vb) in enumerate(zip(_halves(kg), _halves(vg))):
+      for a in range(2):
+        grad = functools.partial(bw.fold_grad, qs[a], kb, vb, dos[a], lses[a][..., 0],
+                                 deltas[a][..., 0], q_starts[a], k_starts[b], scale)
+        zeros = lambda: (jnp.zeros_like(dqs[a]), jnp.zeros_like(dk_parts[b]),
+                         jnp.zeros_like(dv_parts[b]))
+        dq_ab, dk_ab, dv_ab = lax.cond(bw.visible(q_starts[a], c, k_starts[b]), grad, zeros)
+        dqs[a] = dqs[a] + dq_ab
+        dk_parts[b], dv_parts[b] = dk_parts[b] + dk_ab, dv_parts[b] + dv_ab
+    dk, dv = jnp.concatenate(dk_parts, axis=-2), jnp.concatenate(dv_parts, axis=-2)
+    dk, dv = _shift(dk, axis, C), _shift(dv, axis, C)  # C hops in all: home again
+    if s < C - 1:
+      kg, vg = _shift(kg, axis, C), _shift(vg, axis, C)
+  dq = bw.ungrouped_q(jnp.concatenate(dqs, axis=-2))
+  ungroup_kv = lambda x: x.transpose(0, 2, 1, 3)  # (B, G, 2c, K) -> (B, 2c, G, K)
+  return dq.astype(q.dtype), ungroup_kv(dk).astype(k.dtype), ungroup_kv(dv).astype(v.dtype)
+
+
+ring_attention.defvjp(_ring_fwd, _ring_bwd)
