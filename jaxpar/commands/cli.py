@@ -13,7 +13,6 @@ import traceback
 from jaxpar import config as jconfig
 from jaxpar import kinds
 from jaxpar.config import ConfigError, RunError
-from jaxpar.interop import hf
 from jaxpar.parallel import hostmem
 from jaxpar.parallel import mesh as jmesh
 from jaxpar.parallel.distributed import DistributedError
@@ -37,11 +36,17 @@ def add_common(p: argparse.ArgumentParser) -> None:
   p.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
+def hf_model_keys(folder: str) -> dict:
+  """The model keys of a Hugging Face folder (`model.init_from`), for `config.load(base=...)`."""
+  from jaxpar.interop import hf  # only init_from reads a folder; hf brings orbax and generation
+  return hf.model_overrides(folder)
+
+
 def setup(args, processes: int = 1) -> tuple[jconfig.Config, tuple[int, int, int]]:
   """Parses mesh and config, then (before JAX starts) simulates this process's share of devices
   and sets the host malloc for that count (jaxpar.parallel.hostmem)."""
   shape = jmesh.parse(args.mesh)
-  cfg = kinds.check(jconfig.load(args.config, args.set, base=hf.model_overrides))
+  cfg = kinds.check(jconfig.load(args.config, args.set, base=hf_model_keys))
   n = shape[0] * shape[1] * shape[2]
   if n % processes:
     raise ConfigError(f"mesh {args.mesh} has {n} devices, which do not split evenly over "

@@ -25,7 +25,6 @@ import sys
 from jaxpar import config
 from jaxpar.analysis import devices
 from jaxpar.commands import cli
-from jaxpar.interop import hf
 from jaxpar.parallel import mesh  # JAX's backends start only after the devices are set
 
 
@@ -144,7 +143,7 @@ def main(argv=None) -> int:
   args = _args(argv)
   try:
     _check_search_args(args)
-    cfg = config.load(args.config, args.overrides, base=hf.model_overrides)
+    cfg = config.load(args.config, args.overrides, base=cli.hf_model_keys)
     cli.use_compile_cache(cfg)  # the cache train.py reads: a planned step is not compiled twice
     if args.auto or args.analytic:
       return _search(args, cfg)
