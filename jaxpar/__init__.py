@@ -22,13 +22,14 @@ from jaxpar.version import __version__  # noqa: E402
 
 
 def make_mesh(spec: str):
-  """'2x4x1' -> Mesh(data=2, model=4, pipeline=1) over the first 8 devices."""
+  """'2x4x1' -> Mesh(data=2, model=4, pipeline=1, context=1) over the first 8 devices;
+  '2x2x1x2' splits the sequence over context=2 as well."""
   import jax
   shape = _mesh.parse(spec)
-  n = shape[0] * shape[1] * shape[2]
+  n = shape[0] * shape[1] * shape[2] * shape[3]
   if n > len(jax.devices()):
-    raise ConfigError(f"mesh {spec} needs {n} devices, found {len(jax.devices())} "
-                      f"(data={shape[0]}, model={shape[1]}, pipeline={shape[2]})")
+    named = ", ".join(f"{a}={s}" for a, s in zip(_mesh.AXES, shape) if a != _mesh.CONTEXT or s > 1)
+    raise ConfigError(f"mesh {spec} needs {n} devices, found {len(jax.devices())} ({named})")
   return _mesh.make(shape, jax.devices()[:n])
 
 

@@ -280,7 +280,8 @@ def test_offload_takes_the_optimizer_state_off_the_device(stage):
 def test_offload_matches_the_same_run_without():
   import test_equivalence as eq
   data = eq.batches(eq.make_cfg(), 3)
-  for extra in (("parallel.zero_stage=1",), ("parallel.zero_stage=3", "train.skip_nonfinite=true")):
+  # (ZeRO-3 with offload is compared with one device in test_equivalence.py)
+  for extra in (("parallel.zero_stage=1", "train.skip_nonfinite=true"),):
     ref, ref_params, _ = eq.train(eq.make_cfg(*extra), (N_DATA, 1, 1), data)
     got, params, _ = eq.train(eq.make_cfg(*extra, "parallel.offload_optimizer=true"),
                               (N_DATA, 1, 1), data)

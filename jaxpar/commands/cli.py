@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import math
 import os
 import re
 import signal
@@ -42,12 +43,12 @@ def hf_model_keys(folder: str) -> dict:
   return hf.model_overrides(folder)
 
 
-def setup(args, processes: int = 1) -> tuple[jconfig.Config, tuple[int, int, int]]:
+def setup(args, processes: int = 1) -> tuple[jconfig.Config, tuple[int, ...]]:
   """Parses mesh and config, then (before JAX starts) simulates this process's share of devices
   and sets the host malloc for that count (jaxpar.parallel.hostmem)."""
   shape = jmesh.parse(args.mesh)
   cfg = kinds.check(jconfig.load(args.config, args.set, base=hf_model_keys))
-  n = shape[0] * shape[1] * shape[2]
+  n = math.prod(shape)
   if n % processes:
     raise ConfigError(f"mesh {args.mesh} has {n} devices, which do not split evenly over "
                       f"{processes} processes")

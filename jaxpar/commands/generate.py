@@ -4,6 +4,7 @@
 Also python -m jaxpar generate, or python scripts/generate.py in a checkout."""
 from __future__ import annotations
 
+import math
 import sys
 
 from jaxpar.commands import cli
@@ -38,7 +39,7 @@ def main(argv=None) -> int:
 
   def body():
     shape = jmesh.parse(args.mesh)
-    n = shape[0] * shape[1] * shape[2]
+    n = math.prod(shape)
     if n > 1 and jmesh.ensure_cpu_devices(n):  # before JAX starts
       print(f"jaxpar: simulating {n} CPU devices for mesh {args.mesh} "
             f"(XLA_FLAGS=--xla_force_host_platform_device_count={n})", file=sys.stderr)

@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     if args.auto or args.analytic:
       return _search(args, cfg)
     shape = mesh.parse(args.mesh)
-    n = shape[0] * shape[1] * shape[2]
+    n = math.prod(shape)
     mesh.check(shape, cfg, n)  # the degrees against the model, before JAX starts
     if mesh.ensure_cpu_devices(n):
       print(f"plan: simulating {n} CPU devices (--xla_force_host_platform_device_count={n})",

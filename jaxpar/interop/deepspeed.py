@@ -120,7 +120,7 @@ def cli_overrides(path: str, mesh: str, user_set: list[str], show: bool = True) 
   own; with `show`, prints the table (stdout) and one line per warning (stderr)."""
   import sys
 
-  data, _, pipeline = jmesh.parse(mesh)
+  data, _, pipeline, _ = jmesh.parse(mesh)
   m = load(path, data, pipeline)
   if show:
     print(m.table(user_set), flush=True)

@@ -97,6 +97,9 @@ def _new_file_mode() -> int:
   return 0o666 & ~mask
 
 
+BIG_TENSOR = 16 << 20  # bytes from which a written tensor is freed by a full collection
+
+
 def write_safetensors(shapes: dict[str, tuple[tuple[int, ...], Any]],
                       read: Callable[[str], np.ndarray], out: str,
                       metadata: dict[str, str]) -> None:
@@ -121,9 +124,12 @@ def write_safetensors(shapes: dict[str, tuple[tuple[int, ...], Any]],
           x = x.byteswap().view(x.dtype.newbyteorder("<"))
         f.write(x.reshape(-1).view(np.uint8).data)  # the array's own bytes, not a copy
         # orbax leaves the array it read in a finished asyncio future inside a reference cycle;
-        # collect it now, or the tensors pile up until Python's next collection.
+        # collect it now, or the tensors pile up until Python's next collection. A full
+        # collection walks the whole heap (about a second in a large process): it is kept for
+        # tensors whose size matters, the young generations suffice for the rest.
+        big = x.nbytes >= BIG_TENSOR
         del x
-        gc.collect()
+        gc.collect() if big else gc.collect(1)
     # mkstemp creates owner-only files; an export is meant to be shared.
     os.chmod(tmp, _new_file_mode())
     os.replace(tmp, out)

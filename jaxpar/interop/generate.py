@@ -223,7 +223,7 @@ def decode_fn(cfg: jconfig.Config, n_prompt: int, n_new: int, batch: int, cache:
 class Sampler:
   """A decoder's parameters on a mesh, and sampling from them."""
 
-  def __init__(self, workdir: str, mesh_shape: tuple[int, int, int] = (1, 1, 1),
+  def __init__(self, workdir: str, mesh_shape: tuple[int, ...] = (1, 1, 1),
                step: int | None = None, overrides=()):
     """Restores a checkpoint's parameters sharded, as the config stored with it lays them out."""
     directory, self.step = export.checkpoint_step(workdir, step)
@@ -245,7 +245,7 @@ class Sampler:
     self._setup(cfg, trainer, params)
 
   @classmethod
-  def from_params(cls, cfg: jconfig.Config, mesh_shape: tuple[int, int, int] = (1, 1, 1),
+  def from_params(cls, cfg: jconfig.Config, mesh_shape: tuple[int, ...] = (1, 1, 1),
                   params=None, seed: int = 0) -> "Sampler":
     """A sampler over given parameters (a tree like the model's, placed onto the mesh's
     shardings here), or over freshly initialised ones (`seed`) when params is None. The mesh

@@ -45,6 +45,10 @@ class ModelDef:
   # the `model.kind` jaxpar built it from (models/registry.py); None for a model of the user's
   # own (from_nnx, from_linen): checkpoints record it, so an export can say which it holds
   kind: str | None = None
+  # (batch, C) -> the batch with every leaf's sequence on axis 1 in models/ring.py's order, which
+  # the step splits over a `context` axis of C; its loss then runs on one device's share and its
+  # attention around the ring. None: the model cannot be split along the sequence (context=1)
+  seq_split: Callable[[Any, int], Any] | None = None
 
 
 # -- the per-step RNG ---------------------------------------------------------------------------

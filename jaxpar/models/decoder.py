@@ -21,10 +21,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ConfigError
-from jaxpar.models import precision, stack
+from jaxpar.models import precision, ring, stack
 from jaxpar.models.base import ModelDef, from_nnx
 from jaxpar.models.stack import Parts
 from jaxpar.parallel.context import StepContext
+from jaxpar.parallel.mesh import CONTEXT
 from jaxpar.parallel.rules import constrain
 
 # -- what both decoders' parameter stacks are built from ------------------------------------------
@@ -91,13 +92,34 @@ def with_embed_dropout(parts: Parts, rate: float, key, n_layers: int) -> Parts:
                                                                  key, 0))
 
 
+def split_sequence(batch: dict, C: int) -> dict:
+  """batch['tokens'] (B, T+1) -> {'inputs', 'targets'} (B, T), each in the ring's order for a
+  context axis of C (models/ring.py): what the step splits along the sequence over `context`.
+  The loss is a mean over tokens, so their order does not change it."""
+  tokens = batch["tokens"]
+  return {"inputs": ring.split_sequence(tokens[:, :-1], C),
+          "targets": ring.split_sequence(tokens[:, 1:], C)}
+
+
 def loss(parts: Parts, params: dict, batch: dict, ctx: StepContext = StepContext(),
          remat: str = "none") -> tuple[jax.Array, dict]:
   """batch['tokens'] (B, T+1) -> (mean next-token loss, {}); `ctx.rng` is dropout's key (the
-  blocks and `with_embed_dropout` use it), None: deterministic."""
-  tokens = batch["tokens"]
-  logits = forward(parts, params, tokens[:, :-1], ctx, remat)
-  return cross_entropy(logits, tokens[:, 1:], ctx.manual), {}
+  blocks and `with_embed_dropout` use it), None: deterministic.
+
+  Inside a step that is manual over `context` the batch is this device's share of
+  `split_sequence`'s {'inputs', 'targets'} (B, T/C): the embedding takes each token's global
+  position, the blocks' attention runs around the ring, and the loss is this share's mean (the
+  step averages the shares)."""
+  if "inputs" in batch:
+    inputs, targets = batch["inputs"], batch["targets"]
+  else:
+    inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
+  if CONTEXT in ctx.manual and parts.embed_at is not None:
+    positions = ring.local_positions(inputs.shape[1], CONTEXT)
+    embed_at = parts.embed_at
+    parts = replace(parts, embed=lambda top, x, dtype: embed_at(top, x, positions, dtype))
+  logits = forward(parts, params, inputs, ctx, remat)
+  return cross_entropy(logits, targets, ctx.manual), {}
 
 
 def pipeline_grads(parts: Parts, params: dict, micro: dict, sched,
@@ -140,4 +162,4 @@ def model_def(cfg, module) -> ModelDef:
   flops_tok = 6 * module.n_params_nonembedding(mc) + 12 * mc.n_layers * mc.d_model * mc.seq_len
   return ModelDef(init=base.init, loss=loss_, logical=base.logical, abstract=base.abstract,
                   tokens_per_example=mc.seq_len, flops_per_example=flops_tok * mc.seq_len,
-                  pipeline=pipeline, takes_rng=rate > 0)
+                  pipeline=pipeline, takes_rng=rate > 0, seq_split=split_sequence)

@@ -21,10 +21,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import ModelConfig
-from jaxpar.models import blockwise, decoder, kvcache
+from jaxpar.models import blockwise, decoder, kvcache, ring
 from jaxpar.models.base import ModelDef
 from jaxpar.parallel import tensor
 from jaxpar.parallel.context import StepContext
+from jaxpar.parallel.mesh import CONTEXT
 from jaxpar.parallel.rules import constrain, is_split
 
 
@@ -164,6 +165,18 @@ def attention(q, k, v) -> jax.Array:
   return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
 
 
+def attend(q, k, v, ctx: StepContext) -> jax.Array:
+  """`attention`, or around the ring (models/ring.py) where the step is manual over `context`:
+  q, k, v are then this device's T/C tokens in the ring's order. XLA:CPU has no half-precision
+  matmul with a float32 accumulator: there the ring runs in float32 too."""
+  if CONTEXT not in ctx.manual:
+    return attention(q, k, v)
+  if jax.default_backend() == "cpu":
+    f32 = lambda t: t.astype(jnp.float32)
+    return ring.ring_attention(f32(q), f32(k), f32(v), CONTEXT).astype(q.dtype)
+  return ring.ring_attention(q, k, v, CONTEXT)
+
+
 # What the backward keeps of a block besides its inputs and attention's own residuals: the
 # residual stream after attention and the MLP's pre-activation. The norms and the GELU are
 # recomputed from them (elementwise work; no matmul runs twice). Left to autodiff, the tanh GELU
@@ -226,7 +239,7 @@ def block(p: dict, x: jax.Array, cfg: ModelConfig, ctx: StepContext = StepContex
   manual = ctx.manual
   q, k, v = jax.checkpoint(lambda p, x: _qkv(p, x, cfg, manual), policy=_NOTHING,
                            prevent_cse=False)(p, x)
-  a = attention(q, k, v)  # (B, T, H, K)
+  a = attend(q, k, v, ctx)  # (B, T, H, K)
   return jax.checkpoint(lambda p, x, a, key: _out_mlp(p, x, a, manual, cfg.dropout, key),
                         policy=_KEEP, prevent_cse=False)(p, x, a, ctx.rng)
 
@@ -236,7 +249,8 @@ def parts(cfg: ModelConfig) -> decoder.Parts:
   head = head_logits
   if cfg.tie_embeddings:  # the LM head is the token embedding, transposed (GPT-2)
     head = lambda p, x: head_logits({**p, "head": p["wte"].T}, x)
-  return decoder.Parts(embed=embed, block=lambda p, x, ctx: block(p, x, cfg, ctx), head=head)
+  return decoder.Parts(embed=embed, block=lambda p, x, ctx: block(p, x, cfg, ctx), head=head,
+                       embed_at=embed_at)
 
 
 def embed(p: dict, tokens: jax.Array, dtype) -> jax.Array:
@@ -260,7 +274,8 @@ def forward(params: dict, tokens: jax.Array, cfg: ModelConfig, ctx: StepContext 
 
 
 def embed_at(p: dict, tokens: jax.Array, positions: jax.Array, dtype) -> jax.Array:
-  """tokens (B, S) at positions (B, S) -> x (B, S, D): `embed` for tokens anywhere in the window."""
+  """tokens (B, S) at positions (B, S) or (S,) -> x (B, S, D): `embed` for tokens anywhere in the
+  window (a cache's, or a context-split sequence's)."""
   x = jnp.take(p["wte"], tokens, axis=0) + jnp.take(p["wpe"], positions, axis=0)
   return x.astype(dtype)
 

@@ -15,11 +15,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.models import decoder, kvcache
+from jaxpar.models import decoder, kvcache, ring
 from jaxpar.models.base import ModelDef
-from jaxpar.models.gpt import attention
+from jaxpar.models.gpt import attend
 from jaxpar.parallel import tensor
 from jaxpar.parallel.context import StepContext
+from jaxpar.parallel.mesh import CONTEXT
 from jaxpar.parallel.rules import constrain
 
 
@@ -109,8 +110,11 @@ def block(p: dict, x: jax.Array, cfg: ModelConfig, ctx: StepContext = StepContex
   """One pre-norm Llama block. p: one layer's weights, whole; x (B, T, D) -> (B, T, D) in x's
   dtype; `ctx.manual` says which collectives the tensor-parallel matmuls run; `ctx.rng` (this
   layer's key, training only) turns on `cfg.dropout`'s residual dropout."""
-  q, k, v = _qkv(p, x, cfg, ctx.manual)
-  return _out_mlp(p, x, attention(q, k, v), cfg, ctx.manual, ctx.rng)
+  positions = None
+  if CONTEXT in ctx.manual:  # this device's tokens of a context-split sequence: their rotary
+    positions = ring.local_positions(x.shape[1], CONTEXT)[None]  # angles are global positions
+  q, k, v = _qkv(p, x, cfg, ctx.manual, positions)
+  return _out_mlp(p, x, attend(q, k, v, ctx), cfg, ctx.manual, ctx.rng)
 
 
 def block_cached(p: dict, x: jax.Array, positions: jax.Array, k_cache: jax.Array,

@@ -14,8 +14,11 @@ What one device sends per attention call: forward, its k and v chunks C-1 times,
 for their gradients (float32). No device ever holds more than its own T/C queries and one
 visiting T/C keys; no T x T or (T/C) x T score matrix is formed beyond one chunk pair.
 
-Not yet wired into the trainer (a `context` mesh axis); called inside a shard_map that is manual
-over `axis`, with q (B, T/C, H, K) and k, v (B, T/C, G, K) in the `balanced` order.
+The trainer runs it on the mesh's `context` axis: the step's shard_map is manual over it, a
+decoder's batch is laid out in the `balanced` order (`split_sequence`), embeddings, norms, MLPs
+and the loss see each device's T/C tokens at their global positions (`local_positions`), and only
+attention communicates. Called inside a shard_map that is manual over `axis`, with q
+(B, T/C, H, K) and k, v (B, T/C, G, K) in the `balanced` order.
 """
 from __future__ import annotations
 
@@ -41,6 +44,21 @@ def balanced(T: int, C: int) -> np.ndarray:
   c = T // (2 * C)
   chunk = lambda j: np.arange(j * c, (j + 1) * c)
   return np.concatenate([np.concatenate([chunk(i), chunk(2 * C - 1 - i)]) for i in range(C)])
+
+
+def split_sequence(x: jax.Array, C: int) -> jax.Array:
+  """x (B, T, ...) -> its positions in the ring's order (`balanced`): split over a context axis
+  of C along axis 1, device i holds chunks i and 2C-1-i."""
+  return x[:, balanced(x.shape[1], C)]
+
+
+def local_positions(n: int, axis: str) -> jax.Array:
+  """The global positions (n,) int32 of the n tokens this device holds on the ring `axis`
+  (inside a shard_map manual over it): chunk i, then chunk 2C-1-i."""
+  C, i = lax.axis_size(axis), lax.axis_index(axis)
+  c = n // 2
+  r = jnp.arange(c, dtype=jnp.int32)
+  return jnp.concatenate([i * c + r, (2 * C - 1 - i) * c + r])
 
 
 def _starts(i, C: int, c: int) -> tuple:

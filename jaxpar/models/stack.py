@@ -26,6 +26,9 @@ class Parts:
   embed: Callable[[dict, Any, Any], jax.Array]  # (top, inputs, dtype) -> x, e.g. (B, T, D)
   block: Callable[..., jax.Array]  # (one layer's params, x, ctx) -> x of the same shape
   head: Callable[[dict, jax.Array], Any]  # (top, x) -> outputs (a decoder's: float32 logits)
+  # (top, inputs, positions (T,) int, dtype) -> x: `embed` for tokens at those global positions
+  # (a context-split sequence); None: embed has no positions of its own (e.g. rotary's model)
+  embed_at: Callable[..., jax.Array] | None = None
 
 
 def split(params: dict, dims: Any) -> tuple[dict, Any, Any]:

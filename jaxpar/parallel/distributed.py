@@ -287,11 +287,11 @@ def _flat(tree, prefix: str = "") -> dict[str, str]:
   return out
 
 
-def fingerprint(cfg, mesh_shape: tuple[int, int, int]) -> dict[str, str]:
+def fingerprint(cfg, mesh_shape: tuple[int, ...]) -> dict[str, str]:
   """Everything that must be equal on every process, name -> text."""
   import jax
   out = {"jaxpar version": __version__, "jax version": jax.__version__,
-         "mesh": f"{'x'.join(map(str, mesh_shape))} over {jax.device_count()} devices"}
+         "mesh": f"{jmesh.spec_str(mesh_shape)} over {jax.device_count()} devices"}
   out.update(_flat(jconfig.to_dict(cfg)))
   return out
 
@@ -307,7 +307,7 @@ def _differ(rows, names: list[str]) -> tuple[list[int], list[str]]:
   return bad, cols
 
 
-def preflight(cfg, mesh_shape: tuple[int, int, int]) -> None:
+def preflight(cfg, mesh_shape: tuple[int, ...]) -> None:
   """Raises PreflightError on every process unless all run the same config, version and mesh."""
   import jax
   import numpy as np
@@ -341,7 +341,7 @@ def preflight(cfg, mesh_shape: tuple[int, int, int]) -> None:
       f"version and mesh, so all of them stop before the first step")
 
 
-def _check_data_layout(mesh_shape: tuple[int, int, int]) -> None:
+def _check_data_layout(mesh_shape: tuple[int, ...]) -> None:
   """ConfigError unless process i's devices are exactly data-axis block i of the mesh."""
   # The loader gives process i rows [i*B/P, (i+1)*B/P) of every global batch.
   import jax
@@ -349,7 +349,7 @@ def _check_data_layout(mesh_shape: tuple[int, int, int]) -> None:
   d, n, procs = mesh_shape[0], int(np.prod(mesh_shape)), jax.process_count()
   if n != jax.device_count():
     return  # mesh.check says this, in its own words
-  shape = "x".join(map(str, mesh_shape))
+  shape = jmesh.spec_str(mesh_shape)
   if d % procs:
     raise ConfigError(f"mesh {shape} over {procs} processes: data={d} must be a multiple of the "
                       f"number of processes, since each process reads its own share of every "

@@ -1,4 +1,7 @@
-"""`"2x4x1"` -> `Mesh(data, model, pipeline)`, with every degree checked once, up front."""
+"""`"2x4x1"` -> `Mesh(data, model, pipeline, context)`, with every degree checked once, up front.
+
+A mesh is written DxMxP or DxMxPxC; the three-number form means context=1. Shapes in code are
+4-tuples (`normalize` makes one of either form)."""
 from __future__ import annotations
 
 import os
@@ -7,17 +10,40 @@ import re
 from jaxpar import kinds
 from jaxpar.config import Config, ConfigError, microbatches
 
-AXES = ("data", "model", "pipeline")  # the mesh's axes, outermost first: their one definition
-DATA, MODEL, PIPE = AXES
+# the mesh's axes, outermost first: their one definition. `context` splits the sequence (ring
+# attention, models/ring.py); innermost, so a ring's neighbours are neighbouring devices.
+AXES = ("data", "model", "pipeline", "context")
+DATA, MODEL, PIPE, CONTEXT = AXES
 
 
-def parse(spec: str) -> tuple[int, int, int]:
-  """'2x4x1' -> (2, 4, 1); anything else is a ConfigError naming the value."""
-  m = re.fullmatch(r"\s*(\d+)x(\d+)x(\d+)\s*", spec or "")
-  if not m or min(int(g) for g in m.groups()) < 1:
-    raise ConfigError(f"mesh {spec!r} is not of the form DxMxP with positive integers "
-                      f"(data x model x pipeline), e.g. 2x4x1")
-  return tuple(int(g) for g in m.groups())  # type: ignore[return-value]
+def parse(spec: str) -> tuple[int, int, int, int]:
+  """'2x4x1' -> (2, 4, 1, 1), '1x1x1x4' -> (1, 1, 1, 4); anything else is a ConfigError naming
+  the value."""
+  m = re.fullmatch(r"\s*(\d+)x(\d+)x(\d+)(?:x(\d+))?\s*", spec or "")
+  if not m or min(int(g) for g in m.groups() if g is not None) < 1:
+    raise ConfigError(f"mesh {spec!r} is not of the form DxMxP or DxMxPxC with positive integers "
+                      f"(data x model x pipeline [x context]), e.g. 2x4x1 or 2x2x1x2")
+  return normalize(int(g) for g in m.groups() if g is not None)
+
+
+def normalize(shape) -> tuple[int, int, int, int]:
+  """A (d, m, p) or (d, m, p, c) shape -> (d, m, p, c)."""
+  shape = tuple(int(s) for s in shape)
+  if len(shape) not in (3, 4):
+    raise ConfigError(f"a mesh shape has 3 or 4 degrees (data, model, pipeline[, context]), "
+                      f"not {shape}")
+  return shape + (1,) * (4 - len(shape))  # type: ignore[return-value]
+
+
+def spec_str(shape) -> str:
+  """(2, 4, 1, 1) -> '2x4x1'; (2, 2, 1, 2) -> '2x2x1x2': the form a user writes."""
+  shape = normalize(shape)
+  return "x".join(map(str, shape if shape[3] > 1 else shape[:3]))
+
+
+def size(mesh, axis: str) -> int:
+  """The degree of `axis` in `mesh`; 1 where the mesh lacks it (a user's three-axis Mesh)."""
+  return mesh.shape[axis] if axis in mesh.axis_names else 1
 
 
 def ensure_cpu_devices(n: int) -> bool:
@@ -40,12 +66,13 @@ def ensure_cpu_devices(n: int) -> bool:
   return True
 
 
-def check(shape: tuple[int, int, int], cfg: Config, n_devices: int) -> None:
+def check(shape, cfg: Config, n_devices: int) -> None:
   """Every degree against the devices and the model, one message naming all of them."""
-  d, m, p = shape
-  named = f"data={d}, model={m}, pipeline={p}"
-  if d * m * p != n_devices:
-    raise ConfigError(f"mesh {d}x{m}x{p} needs {d * m * p} devices, found {n_devices} ({named})")
+  d, m, p, c = shape = normalize(shape)
+  named = f"data={d}, model={m}, pipeline={p}" + (f", context={c}" if c > 1 else "")
+  spec = spec_str(shape)
+  if d * m * p * c != n_devices:
+    raise ConfigError(f"mesh {spec} needs {d * m * p * c} devices, found {n_devices} ({named})")
   problems = []
   mc, tc, pc = cfg.model, cfg.train, cfg.parallel
   micro = tc.batch_size // tc.grad_accum
@@ -74,13 +101,34 @@ def check(shape: tuple[int, int, int], cfg: Config, n_devices: int) -> None:
   if p > 1 and (micro // d) % n_micro:
     problems.append(f"per-replica batch {micro // d} is not divisible by "
                     f"parallel.microbatches={n_micro}")
+  if c > 1:
+    problems += _context_problems(cfg, c, p, decoder)
   if problems:
-    raise ConfigError(f"mesh {d}x{m}x{p} ({named}) does not fit: " + "; ".join(problems))
+    raise ConfigError(f"mesh {spec} ({named}) does not fit: " + "; ".join(problems))
 
 
-def make(shape: tuple[int, int, int], devices=None):
-  """A GSPMD (Auto axis types) mesh over `devices` (default: all)."""
+def _context_problems(cfg: Config, c: int, p: int, decoder: bool) -> list[str]:
+  """What a context axis of `c` needs: a decoder (ring attention), a sequence of 2c equal chunks
+  and no pipeline yet."""
+  mc = cfg.model
+  if not decoder:
+    return [f"model.kind={mc.kind} has no context-parallel attention, use context=1"]
+  problems = []
+  if mc.seq_len % (2 * c):
+    problems.append(f"model.seq_len={mc.seq_len} is not divisible by 2 x context={2 * c} "
+                    "(each device holds two equal chunks of the sequence)")
+  if p > 1:
+    problems.append(f"context={c} with a pipeline (pipeline={p}) is not supported yet; use "
+                    "pipeline=1 or context=1")
+  if mc.dropout > 0:
+    problems.append(f"model.dropout={mc.dropout} with context={c} is not supported yet; use "
+                    "model.dropout=0 or context=1")
+  return problems
+
+
+def make(shape, devices=None):
+  """A GSPMD (Auto axis types) mesh over `devices` (default: all); `shape` (d, m, p[, c])."""
   import jax
   from jax.sharding import AxisType
-  return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3,
+  return jax.make_mesh(normalize(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES),
                        devices=devices if devices is not None else jax.devices())

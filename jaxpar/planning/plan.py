@@ -67,7 +67,7 @@ def plan(cfg: Config, mesh_shape: str | Sequence[int], devices: Sequence[Any] | 
   if isinstance(mesh_shape, str):
     shape = jmesh.parse(mesh_shape)
   else:
-    shape = tuple(int(s) for s in mesh_shape)
+    shape = jmesh.normalize(mesh_shape)
   n = math.prod(shape)
   devices = list(jax.devices() if devices is None else devices)
   # A mesh smaller than the devices present is a valid plan (the rest idle); a larger one is not.
@@ -75,7 +75,7 @@ def plan(cfg: Config, mesh_shape: str | Sequence[int], devices: Sequence[Any] | 
   if model is None:  # the config's model: every degree checked against it
     jmesh.check(shape, cfg, len(devices))
   elif n > len(devices):
-    raise ConfigError(f"mesh {'x'.join(map(str, shape))} needs {n} devices, found {len(devices)}")
+    raise ConfigError(f"mesh {jmesh.spec_str(shape)} needs {n} devices, found {len(devices)}")
   mesh = jmesh.make(shape, devices)
   model = _model(cfg) if model is None else model
   trainer = Trainer(cfg, mesh, model, **trainer_kw)
@@ -123,11 +123,12 @@ def plan(cfg: Config, mesh_shape: str | Sequence[int], devices: Sequence[Any] | 
         "bytes_per_device": shard_bytes(a.shape, a.dtype, p_sh),
     })
 
-  d, m, p = shape
+  d, m, p, c = shape
   return {
       "devices": n,
       "platform": devices[0].platform,
-      "mesh": {"data": d, "model": m, "pipeline": p, "shape": f"{d}x{m}x{p}"},
+      "mesh": {"data": d, "model": m, "pipeline": p, "context": c,
+               "shape": jmesh.spec_str(shape)},
       "zero_stage": cfg.parallel.zero_stage,
       "offload_optimizer": cfg.parallel.offload_optimizer,
       # how activations and the loss are handled: the per-layer remat policy, sequence

@@ -43,7 +43,7 @@ class RunResult:
   summary: dict
 
 
-def prepare(cfg: Config, mesh_shape: tuple[int, int, int]) -> Trainer:
+def prepare(cfg: Config, mesh_shape: tuple[int, ...]) -> Trainer:
   """Checks every degree against the devices and builds the trainer (nothing is written)."""
   devices = jax.devices()
   jmesh.check(mesh_shape, cfg, len(devices))
@@ -213,7 +213,7 @@ class _Run:
             **self.split.summary()}
 
 
-def run(cfg: Config, mesh_shape: tuple[int, int, int], workdir: str, metrics_file: str | None = None,
+def run(cfg: Config, mesh_shape: tuple[int, ...], workdir: str, metrics_file: str | None = None,
         steps: int | None = None, progress: bool = True, log=print,
         profile_steps: tuple[int, int] | None = None) -> RunResult:
   """Trains `cfg` on `mesh_shape` for `steps` total steps (default train.steps) in `workdir`;

@@ -1,11 +1,16 @@
 """Train state, its shardings, sharded init and the compiled training step.
 
 The gradient is computed inside a `shard_map` that is manual over `data` (and over `pipeline` when
-there is one): each data shard differentiates its part of the batch and the gradients are then
+there is one, and over `context` when the sequence is split): each data shard differentiates its
+part of the batch and the gradients are then
 reduced explicitly — all-reduce for ZeRO 0/1, reduce-scatter for ZeRO-2, and for ZeRO-3 the
 reduce-scatter that autodiff makes of the per-layer all-gathers. With a pipeline, the schedule's
 executor (pipeline.py) produces each stage's gradients. `model` stays automatic, so GSPMD
-partitions the tensor-parallel matmuls inside. The optimizer update runs outside, on whatever shards the state has.
+partitions the tensor-parallel matmuls inside. With a `context` axis the model's `seq_split`
+lays the batch out along the sequence for ring attention (models/ring.py); each device's loss is
+the mean over its tokens, averaged over `context` inside the differentiated function, so the
+parameters' gradients come back summed over the ring by autodiff. The optimizer update runs
+outside, on whatever shards the state has.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ from jaxpar.train import checkpoint as jckpt
 from jaxpar.train import optim
 from jaxpar.train.layout import StateLayout
 
-PIPE = jmesh.PIPE
+PIPE, CONTEXT = jmesh.PIPE, jmesh.CONTEXT
 # A loss_fn metric with this name is the loss's denominator in its piece of the batch (e.g. the
 # unmasked tokens of a masked mean). Pieces (data shards, accumulated microbatches) then combine
 # as sum(weight * loss) / sum(weight), the global batch's loss, instead of a mean of their means,
@@ -60,6 +65,16 @@ def _as_float_weight(loss, aux):
   if WEIGHT in aux:
     aux = {**aux, WEIGHT: jnp.asarray(aux[WEIGHT], jnp.float32)}
   return loss, aux
+
+
+def _over_context(loss, aux, manual: frozenset):
+  """A context-split piece's (loss, metrics), the means over its T/C tokens -> the means over the
+  sequence (the shares are equal in size); as it is without a context axis. Taken inside the
+  differentiated function: the parameters' gradients then come back summed over the ring."""
+  if CONTEXT not in manual:
+    return loss, aux
+  return jax.lax.pmean(loss, CONTEXT), {k: jax.lax.pmean(v, CONTEXT) if _is_float(v) else v
+                                        for k, v in aux.items()}
 
 
 def _is_float(v) -> bool:
@@ -134,8 +149,26 @@ class Trainer:
     self.dynamic_scale, self.layer_order = L.dynamic_scale, L.layer_order
     if pc.offload_optimizer:
       self._offload_tx, self._n_clip = optim.piecewise(cfg.train, model, L.abstract_state["opt"])
+    self.context = jmesh.size(mesh, CONTEXT)  # the sequence's split (ring attention)
+    if self.context > 1:
+      self._check_context()
     self._steps: dict = {}  # compiled steps by the batch's shapes and dtypes
     self._reorder_fns: dict = {}
+
+  def _check_context(self) -> None:
+    """A context axis needs a model that splits its sequence and nothing that draws per row or
+    runs a schedule over it (not yet)."""
+    C = self.context
+    if self.model.seq_split is None:
+      raise ConfigError(f"the mesh splits the sequence over context={C}, but the model has no "
+                        "context-parallel attention (ModelDef.seq_split; jaxpar's decoders have "
+                        "it); use context=1")
+    if self.schedule is not None:
+      raise ConfigError(f"context={C} with a pipeline schedule is not supported yet; use "
+                        "pipeline=1 or context=1")
+    if self.model.takes_rng:
+      raise ConfigError(f"context={C} with dropout is not supported yet; use model.dropout=0 "
+                        "or context=1")
 
   # -- state -------------------------------------------------------------------------------------
 
@@ -266,7 +299,8 @@ class Trainer:
   def _manual(self) -> tuple[bool, frozenset]:
     """(whether `data` splits the batch, the mesh axes the step's shard_map is manual over)."""
     data_sharded = self.mesh.shape[zero.DATA] > 1
-    on = ((zero.DATA, data_sharded), (PIPE, self.schedule is not None))
+    on = ((zero.DATA, data_sharded), (PIPE, self.schedule is not None),
+          (CONTEXT, self.context > 1))
     return data_sharded, frozenset(a for a, yes in on if yes)
 
   def _sharded(self, local, params, batch, out_specs):
@@ -281,6 +315,9 @@ class Trainer:
     keep = lambda tree: jax.tree_util.tree_map(lambda spec: _manual_only(spec, manual), tree,
                                                is_leaf=lambda x: isinstance(x, P))
     batch_spec = P(zero.DATA) if zero.DATA in manual else P()
+    if CONTEXT in manual:  # every leaf's sequence (axis 1) in the ring's order, split over context
+      batch = self.model.seq_split(batch, self.context)
+      batch_spec = P(batch_spec[0] if batch_spec else None, CONTEXT)
     in_specs = (keep(self.layout.params), jax.tree_util.tree_map(lambda _: batch_spec, batch))
     return jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=keep(out_specs),
                          axis_names=manual, check_vma=self.schedule is None)(params, batch)
@@ -304,7 +341,7 @@ class Trainer:
         loss, aux, _ = model.pipeline(params, self._micro(batch), sched, ctx, forward_only=True)
         loss, aux = _as_float_weight(loss, aux)
       else:
-        loss, aux = _as_float_weight(*model.loss(params, batch, ctx))
+        loss, aux = _over_context(*_as_float_weight(*model.loss(params, batch, ctx)), manual)
       weighted = sched is None and WEIGHT in aux
       if weighted:
         loss, aux = _weighed(loss, aux)
@@ -367,7 +404,7 @@ class Trainer:
           rng = {"rng": jmodel.at_rows(jax.random.wrap_key_data(key_data), first)}
 
         def scaled(p):
-          loss, aux = _as_float_weight(*model.loss(p, mb, ctx, **rng))
+          loss, aux = _over_context(*_as_float_weight(*model.loss(p, mb, ctx, **rng)), manual)
           if WEIGHT in aux:  # this piece's sums, not its means (see WEIGHT)
             loss, aux = _weighed(loss, aux)
           return loss * scale, (loss, aux)
