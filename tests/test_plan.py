@@ -109,7 +109,7 @@ def test_cli_json():
   assert set(r["collectives"]) == {"all-reduce", "all-gather", "reduce-scatter",
                                    "collective-permute", "all-to-all"}
   assert r["devices"] == 8
-  assert r["mesh"] == {"data": 2, "model": 4, "pipeline": 1, "shape": "2x4x1"}
+  assert r["mesh"] == {"data": 2, "model": 4, "pipeline": 1, "context": 1, "shape": "2x4x1"}
   assert r["param_count"] == sum(math.prod(q["shape"]) for q in r["parameters"])
   assert r["bytes_per_device"]["params"] == sum(q["bytes_per_device"] for q in r["parameters"])
   wq = next(q for q in r["parameters"] if q["path"] == "layers/wq")

@@ -1,7 +1,7 @@
 """Ring attention (models/ring.py) over a `context` mesh axis of C = 2 and 4 devices, the
 sequence in the balanced chunk order: outputs and gradients equal one device's blockwise causal
-attention on the whole sequence (fp32, 1e-5), and the compiled forward moves exactly the K/V
-ring's bytes in collective-permutes, with no all-gather."""
+attention on the whole sequence (fp32, 1e-5), also where a chunk is folded a key block at a
+time, and the compiled forward moves exactly the K/V ring's bytes in collective-permutes, with no all-gather."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,3 +72,12 @@ def test_the_balanced_order_gives_each_device_an_early_and_a_late_chunk():
   assert order.reshape(4, 2, 2)[:, :, 0].tolist() == [[0, 14], [2, 12], [4, 10], [6, 8]]
   with pytest.raises(ValueError, match="does not split into 2 x 3 equal chunks"):
     ring.balanced(16, 3)
+
+
+@pytest.mark.parametrize("C,block", [(2, 8), (4, 4)])
+def test_chunks_longer_than_a_block_fold_a_block_at_a_time(C, block, monkeypatch):
+  """A chunk of T/2C keys is folded blockwise.BLOCK keys at a time (scores (T/2C) x BLOCK, not
+  (T/2C)^2), forward and backward, with the same results."""
+  monkeypatch.setattr(blockwise, "BLOCK", block)
+  assert ring._block_size(T // (2 * C)) == block < T // (2 * C)
+  test_outputs_and_gradients_equal_one_devices_attention(C)

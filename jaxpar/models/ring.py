@@ -12,7 +12,8 @@ gradients travel with their chunk, C hops, back to the device that holds it.
 What one device sends per attention call: forward, its k and v chunks C-1 times,
 2 (C-1) x B x (T/C) x G x K x bytes; backward, as much again for k and v plus C times the same
 for their gradients (float32). No device ever holds more than its own T/C queries and one
-visiting T/C keys; no T x T or (T/C) x T score matrix is formed beyond one chunk pair.
+visiting T/C keys, and a chunk pair is folded blockwise.BLOCK keys at a time: a device's scores
+are (T/2C) x BLOCK at most, so its temporaries grow as T/C, not (T/C)^2.
 
 The trainer runs it on the mesh's `context` axis: the step's shard_map is manual over it, a
 decoder's batch is laid out in the `balanced` order (`split_sequence`), embeddings, norms, MLPs
@@ -77,6 +78,50 @@ def _halves(x):
   return x[..., :c, :], x[..., c:, :]
 
 
+def _blocks(x, b: int):
+  """A key or value chunk (B, G, c, K) -> (c/b, B, G, b, K): blocks on a leading axis."""
+  B, G, c, K = x.shape
+  return jnp.moveaxis(x.reshape(B, G, c // b, b, K), 2, 0)
+
+
+def _block_size(c: int) -> int:
+  """Keys per fold within a chunk pair: blockwise's block where it divides the chunk."""
+  return bw.BLOCK if c > bw.BLOCK and c % bw.BLOCK == 0 else c
+
+
+def _fold_chunk(state, q, k, v, q_start, k_start, scale: float):
+  """`state` with the key/value chunk k, v (B, G, c, K) folded in, b = `_block_size` keys at a
+  time: a fold's scores are (B, G, R, c, b), so a device's temporaries grow as its T/C, not as
+  its (T/C)^2."""
+  b = _block_size(k.shape[2])
+  if b == k.shape[2]:
+    return bw.fold(state, q, k, v, q_start, k_start, scale)
+
+  def body(st, xs):
+    j, kj, vj = xs
+    return bw.fold(st, q, kj, vj, q_start, k_start + j * b, scale), None
+  n = k.shape[2] // b
+  return lax.scan(body, state, (jnp.arange(n), _blocks(k, b), _blocks(v, b)))[0]
+
+
+def _grad_chunk(q, k, v, do, lse, delta, q_start, k_start, scale: float):
+  """One chunk pair's (dq, dk, dv), float32 (blockwise.fold_grad), b keys at a time as in
+  `_fold_chunk`."""
+  b = _block_size(k.shape[2])
+  if b == k.shape[2]:
+    return bw.fold_grad(q, k, v, do, lse, delta, q_start, k_start, scale)
+
+  def body(dq, xs):
+    j, kj, vj = xs
+    dq_j, dk_j, dv_j = bw.fold_grad(q, kj, vj, do, lse, delta, q_start, k_start + j * b, scale)
+    return dq + dq_j, (dk_j, dv_j)
+  n = k.shape[2] // b
+  dq, (dk, dv) = lax.scan(body, bw._zeros(q.shape, q, k, v, do, lse, delta),
+                          (jnp.arange(n), _blocks(k, b), _blocks(v, b)))
+  unblock = lambda x: jnp.moveaxis(x, 0, 2).reshape(k.shape)  # (n, B, G, b, K) -> (B, G, c, K)
+  return dq, unblock(dk), unblock(dv)
+
+
 def _forward(q, k, v, axis: str):
   C, i = lax.axis_size(axis), lax.axis_index(axis)
   G, K = k.shape[2], q.shape[3]
@@ -90,7 +135,7 @@ def _forward(q, k, v, axis: str):
     k_starts = _starts((i - s) % C, C, c)
     for b, (kb, vb) in enumerate(zip(_halves(kg), _halves(vg))):
       for a in range(2):
-        fold = functools.partial(bw.fold, q=qs[a], k=kb, v=vb, q_start=q_starts[a],
+        fold = functools.partial(_fold_chunk, q=qs[a], k=kb, v=vb, q_start=q_starts[a],
                                  k_start=k_starts[b], scale=scale)
         states[a] = lax.cond(bw.visible(q_starts[a], c, k_starts[b]),
                              lambda st, f=fold: f(st), lambda st: st, states[a])
@@ -132,7 +177,7 @@ def _ring_bwd(axis, res, dout):
     dk_parts, dv_parts = list(_halves(dk)), list(_halves(dv))
     for b, (kb, vb) in enumerate(zip(_halves(kg), _halves(vg))):
       for a in range(2):
-        grad = functools.partial(bw.fold_grad, qs[a], kb, vb, dos[a], lses[a][..., 0],
+        grad = functools.partial(_grad_chunk, qs[a], kb, vb, dos[a], lses[a][..., 0],
                                  deltas[a][..., 0], q_starts[a], k_starts[b], scale)
         zeros = lambda: (jnp.zeros_like(dqs[a]), jnp.zeros_like(dk_parts[b]),
                          jnp.zeros_like(dv_parts[b]))
