@@ -160,3 +160,25 @@ def test_a_tie_goes_to_the_layout_with_less_memory():
   fit, over = autoplan.rank(rows, budget=10)
   assert [r["layout"] for r in fit] == ["b", "a", "c"] and not over
   assert fit[1]["why"].startswith("ties the fastest, holds more memory")
+
+
+def test_a_long_sequence_adds_context_layouts_with_the_rings_bytes():
+  short, _ = autoplan.layouts(config.load(None, []), 8)  # T 128: no context axis
+  assert all(len(lay.mesh) == 3 for lay in short)
+  cfg = config.load(None, [f"model.seq_len={autoplan.CONTEXT_MIN_SEQ}", "train.batch_size=8"])
+  lays, _ = autoplan.layouts(cfg, 8)
+  meshes = {lay.mesh for lay in lays}
+  assert {(4, 1, 1, 2), (2, 2, 1, 2), (1, 1, 1, 8), (2, 1, 1, 4)} <= meshes
+  assert not any(len(lay.mesh) == 4 and lay.mesh[2] > 1 for lay in lays)  # no pipeline with it
+  assert str(autoplan.Layout((2, 2, 1, 2), 3)) == "2x2x1x2 ZeRO-3"
+  # the ring's bytes on top of data x tensor parallelism's: (6C - 4) x one device's k chunk
+  facts = autoplan.ModelFacts.of(cfg)
+  rates = autoplan.Rates(kind="test", flops=1e12, link=1e9, memory=1e12, source="test")
+  mc = cfg.model
+  plain = autoplan.estimate(cfg, autoplan.Layout((4, 2, 1), 0), facts, rates)
+  ring = autoplan.estimate(cfg, autoplan.Layout((2, 2, 1, 2), 0), facts, rates)
+  kv = 8 / 2 * mc.seq_len / 2 * mc.d_model / 2 * 4  # B/d x T/C x G K / M x float32
+  tp = 4 * mc.n_layers * 2 * (2 - 1) / 2 * (8 / 2 * mc.seq_len / 2 * mc.d_model * 4)
+  dp = 2 * (2 - 1) / 2 * facts.n_params / 2 * 4
+  assert ring["link_bytes"] == pytest.approx(mc.n_layers * 8 * kv + tp + dp)
+  assert plain["compute_s"] == pytest.approx(ring["compute_s"])

@@ -115,6 +115,15 @@ def test_checkpoint_from_context_2_continues_on_context_1_and_4(tmp_path):
       state, m = t.step(state, {"tokens": b})
       got.append(float(m["loss"]))
     np.testing.assert_allclose(got, want, rtol=RTOL, err_msg=jmesh.spec_str(shape))
+  # and it generates on a mesh without a context axis, as the parameters it holds do
+  from jaxpar.interop import generate
+  sampler = generate.Sampler(str(tmp_path), (2, 4, 1))
+  params = jax.device_get(t2.to_logical(t2.load(str(tmp_path)))["params"])
+  same = generate.Sampler.from_params(cfg, (1, 1, 1), params)
+  got = sampler.sample("def ", max_new_tokens=8, temperature=0)
+  np.testing.assert_array_equal(got, same.sample("def ", max_new_tokens=8, temperature=0))
+  with pytest.raises(ConfigError, match="generation runs without a context axis"):
+    generate.Sampler(str(tmp_path), (1, 1, 1, 2))
 
 
 @pytest.mark.parametrize("shape,extra,message", [

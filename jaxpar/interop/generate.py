@@ -220,6 +220,15 @@ def decode_fn(cfg: jconfig.Config, n_prompt: int, n_new: int, batch: int, cache:
   return run
 
 
+def _check_mesh(mesh_shape) -> None:
+  """Decoding has no context-parallel form: a context axis is one sentence."""
+  c = jmesh.normalize(mesh_shape)[3]
+  if c > 1:
+    raise ConfigError(f"generation runs without a context axis (mesh {jmesh.spec_str(mesh_shape)} "
+                      f"has context={c}); a checkpoint trained with any context split loads on "
+                      f"a DxMxP mesh")
+
+
 class Sampler:
   """A decoder's parameters on a mesh, and sampling from them."""
 
@@ -237,6 +246,7 @@ class Sampler:
       raise ConfigError(f"the checkpoint of step {self.step} in {directory} has no config")
     cfg = _overridden(jconfig.from_dict(stored), overrides)
     _check_kind(cfg)
+    _check_mesh(mesh_shape)
     trainer = loop.prepare(cfg, mesh_shape)
     # The parameters alone, in the checkpoint's (model) order: the optimizer state is never read.
     with checkpoint.readable(directory, self.step, export.STEP_REMEDY):
@@ -251,6 +261,7 @@ class Sampler:
     shardings here), or over freshly initialised ones (`seed`) when params is None. The mesh
     takes the first devices it needs."""
     _check_kind(cfg)
+    _check_mesh(mesh_shape)
     n = int(np.prod(mesh_shape))
     jmesh.check(mesh_shape, cfg, min(n, len(jax.devices())))
     trainer = Trainer(cfg, jmesh.make(mesh_shape, jax.devices()[:n]), jmodel.decoder(cfg))

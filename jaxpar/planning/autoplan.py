@@ -1,8 +1,9 @@
-"""Choosing a layout: which DxMxP mesh, ZeRO stage and pipeline schedule to train on N devices.
+"""Choosing a layout: which DxMxP[xC] mesh, ZeRO stage and pipeline schedule to train on N devices.
 
 `auto` enumerates every layout the model's shapes allow (mesh.check), compiles each on simulated
 devices through plan.plan, rejects those whose peak bytes per device exceed the memory budget and
-ranks the rest by predicted step time:
+ranks the rest by predicted step time. A decoder whose sequence is long (CONTEXT_MIN_SEQ on) is
+also tried with the sequence split over a context axis C > 1 (ring attention; without a pipeline):
 
   step = model FLOPs per device / device FLOP/s / (1 - bubble) + link bytes / link bandwidth
 
@@ -26,6 +27,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from jaxpar import config as jconfig
+from jaxpar import kinds
 from jaxpar.analysis.devices import DEVICE_KINDS, Rates, rates  # noqa: F401 (the planner's rates)
 from jaxpar.config import Config, ConfigError
 from jaxpar.parallel import mesh as jmesh
@@ -33,20 +35,22 @@ from jaxpar.parallel import pipeline
 from jaxpar.planning import plan
 
 SCHEDULES = ("gpipe", "1f1b", "circular")
+# From this sequence length on, the search also tries context axes C > 1: attention's activations
+# then dominate a decoder's step, and ring attention splits them (and the tokens) C ways.
+CONTEXT_MIN_SEQ = 2048
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """One way to run the step: a mesh, a ZeRO stage and, with pipeline > 1, a schedule."""
-  mesh: tuple[int, int, int]
+  mesh: tuple[int, ...]  # (data, model, pipeline) or, with a context axis, (d, m, p, context)
   zero_stage: int
   schedule: str = ""  # "" without a pipeline
   microbatches: int = 1
   virtual_stages: int = 1
 
   def __str__(self) -> str:
-    d, m, p = self.mesh
-    text = f"{d}x{m}x{p} ZeRO-{self.zero_stage}"
+    text = f"{jmesh.spec_str(self.mesh)} ZeRO-{self.zero_stage}"
     if self.schedule:
       v = f" V={self.virtual_stages}" if self.virtual_stages > 1 else ""
       text += f" {self.schedule}{v} M={self.microbatches}"
@@ -60,10 +64,25 @@ class Layout:
     return jconfig.override(cfg, parallel=par)
 
 
-def factorisations(n: int) -> list[tuple[int, int, int]]:
-  """Every (data, model, pipeline) with data * model * pipeline = n, data-major."""
-  return [(d, m, n // (d * m)) for d in range(n, 0, -1) if n % d == 0
-          for m in range(1, n // d + 1) if (n // d) % m == 0]
+def factorisations(n: int, contexts: Sequence[int] = (1,)) -> list[tuple[int, ...]]:
+  """Every (data, model, pipeline) with data * model * pipeline = n, data-major; then, for each
+  context c > 1 in `contexts` that divides n, every (d, m, 1, c) with d * m * c = n (a context
+  axis runs without a pipeline)."""
+  out = [(d, m, n // (d * m)) for d in range(n, 0, -1) if n % d == 0
+         for m in range(1, n // d + 1) if (n // d) % m == 0]
+  for c in contexts:
+    if c > 1 and n % c == 0:
+      k = n // c
+      out += [(d, k // d, 1, c) for d in range(k, 0, -1) if k % d == 0]
+  return out
+
+
+def context_degrees(cfg: Config, n: int) -> list[int]:
+  """The context axes the search tries: 1, and for a decoder from CONTEXT_MIN_SEQ tokens on every
+  divisor of n above 1."""
+  if not kinds.get(cfg.model.kind).decoder or cfg.model.seq_len < CONTEXT_MIN_SEQ:
+    return [1]
+  return [c for c in range(1, n + 1) if n % c == 0]
 
 
 def layouts(cfg: Config, n: int) -> tuple[list[Layout], list[str]]:
@@ -73,8 +92,8 @@ def layouts(cfg: Config, n: int) -> tuple[list[Layout], list[str]]:
   with pipeline P > 1 each schedule with P and 2P microbatches, circular with 2 virtual stages.
   """
   out, ruled_out = [], []
-  for shape in factorisations(n):
-    d, m, p = shape
+  for shape in factorisations(n, context_degrees(cfg, n)):
+    d, m, p = shape[:3]
     pipes = [("", 1, 1)] if p == 1 else [(s, k * p, 2 if s == "circular" else 1)
                                          for s in SCHEDULES for k in (1, 2)]
     allowed, errors = [], []
@@ -85,7 +104,7 @@ def layouts(cfg: Config, n: int) -> tuple[list[Layout], list[str]]:
         if sched:
           pipeline.build(sched, p, micro, v)
       except ConfigError as e:
-        errors.append((f"{d}x{m}x{p} {sched} M={micro}: " if sched else "", str(e)))
+        errors.append((f"{jmesh.spec_str(shape)} {sched} M={micro}: " if sched else "", str(e)))
         continue
       allowed.append((sched, micro, v))
     # A mesh no choice fits is one sentence; otherwise the schedule-specific refusals.
@@ -174,7 +193,7 @@ def _times(flops_per_step: float, n: int, sent: float, bubble: float, r: Rates) 
 def estimate(cfg: Config, lay: Layout, facts: ModelFacts, r: Rates,
              state: tuple[float, float, float] | None = None) -> dict:
   """The analytic prediction for one layout: model-state bytes, link bytes and step time."""
-  d, m, p = lay.mesh
+  d, m, p, c = jmesh.normalize(lay.mesh)
   bp, bg, bo = state or state_bytes_per_param(cfg)
   shard = facts.n_params / (m * p)
   sent = 0.0
@@ -185,7 +204,10 @@ def estimate(cfg: Config, lay: Layout, facts: ModelFacts, r: Rates,
   bubble, ticks = _bubble(lay)
   mc = cfg.model
   if mc.kind != "cnn":
-    act = cfg.train.batch_size / d * mc.seq_len * mc.d_model * _compute_dtype_bytes(cfg)
+    act = cfg.train.batch_size / d * mc.seq_len / c * mc.d_model * _compute_dtype_bytes(cfg)
+    if c > 1:  # the K/V ring (models/ring.py): per layer (6c - 4) x one device's k chunk
+      kv = act / mc.d_model * (mc.n_kv_heads or mc.n_heads) * (mc.d_model // mc.n_heads) / m
+      sent += mc.n_layers * (6 * c - 4) * kv
     if m > 1:  # Megatron: two all-reduces forward and two backward per layer
       sent += 4 * (mc.n_layers / p) * 2 * (m - 1) / m * act
     if p > 1:  # the executor sends one activation and one cotangent per tick
@@ -193,14 +215,14 @@ def estimate(cfg: Config, lay: Layout, facts: ModelFacts, r: Rates,
   row = _row(lay, "analytic")
   row.update(memory_bytes=model_state_bytes(facts.n_params, d, lay.zero_stage, bp, bg, bo, m * p),
              link_bytes=sent, bubble=bubble,
-             **_times(facts.flops_per_step, d * m * p, sent, bubble, r))
+             **_times(facts.flops_per_step, d * m * p * c, sent, bubble, r))
   return row
 
 
 def evaluate(cfg: Config, lay: Layout, facts: ModelFacts, r: Rates, devices: Sequence[Any]) -> dict:
   """The compiled prediction for one layout: plan.plan's peak bytes and collectives."""
   report = plan.plan(lay.apply(cfg), lay.mesh, devices)
-  d, m, p = lay.mesh
+  n = math.prod(lay.mesh)
   coll = report["collectives"]
   sent = sum(report["sent_bytes"].values())  # ring algorithms, as `estimate` counts them
   bubble = report["pipeline"]["bubble_fraction"] if report["pipeline"] else 0.0
@@ -208,13 +230,12 @@ def evaluate(cfg: Config, lay: Layout, facts: ModelFacts, r: Rates, devices: Seq
   row.update(memory_bytes=report["compiled"]["peak_bytes"], collective_bytes=sum(coll.values()),
              collectives=coll, link_bytes=sent, bubble=bubble,
              model_state_bytes=sum(report["bytes_per_device"].values()),
-             **_times(facts.flops_per_step, d * m * p, sent, bubble, r))
+             **_times(facts.flops_per_step, n, sent, bubble, r))
   return row
 
 
 def _row(lay: Layout, source: str) -> dict:
-  d, m, p = lay.mesh
-  return {"layout": str(lay), "mesh": f"{d}x{m}x{p}", "zero_stage": lay.zero_stage,
+  return {"layout": str(lay), "mesh": jmesh.spec_str(lay.mesh), "zero_stage": lay.zero_stage,
           "schedule": lay.schedule or None, "microbatches": lay.microbatches if lay.schedule else None,
           "virtual_stages": lay.virtual_stages, "source": source}
 
