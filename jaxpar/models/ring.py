@@ -12,8 +12,9 @@ gradients travel with their chunk, C hops, back to the device that holds it.
 What one device sends per attention call: forward, its k and v chunks C-1 times,
 2 (C-1) x B x (T/C) x G x K x bytes; backward, as much again for k and v plus C times the same
 for their gradients (float32). No device ever holds more than its own T/C queries and one
-visiting T/C keys, and a chunk pair is folded blockwise.BLOCK keys at a time: a device's scores
-are (T/2C) x BLOCK at most, so its temporaries grow as T/C, not (T/C)^2.
+visiting T/C keys, and a chunk pair is folded one blockwise.BLOCK x BLOCK block pair at a time
+(pairs the causal mask hides skipped): a device's scores are BLOCK x BLOCK, as one device's
+blockwise attention holds, so its temporaries grow as T/C, not (T/C)^2.
 
 The trainer runs it on the mesh's `context` axis: the step's shard_map is manual over it, a
 decoder's batch is laid out in the `balanced` order (`split_sequence`), embeddings, norms, MLPs
@@ -78,48 +79,83 @@ def _halves(x):
   return x[..., :c, :], x[..., c:, :]
 
 
-def _blocks(x, b: int):
+def _kv_blocks(x, b: int):
   """A key or value chunk (B, G, c, K) -> (c/b, B, G, b, K): blocks on a leading axis."""
   B, G, c, K = x.shape
   return jnp.moveaxis(x.reshape(B, G, c // b, b, K), 2, 0)
 
 
+def _q_blocks(x, b: int):
+  """A query-side chunk (B, G, R, c, ...) -> (c/b, B, G, R, b, ...)."""
+  B, G, R, c = x.shape[:4]
+  return jnp.moveaxis(x.reshape(B, G, R, c // b, b, *x.shape[4:]), 3, 0)
+
+
+def _q_unblocks(xb):
+  """(n, B, G, R, b, ...) -> (B, G, R, n*b, ...): the inverse of `_q_blocks`."""
+  n, B, G, R, b = xb.shape[:5]
+  return jnp.moveaxis(xb, 0, 3).reshape(B, G, R, n * b, *xb.shape[5:])
+
+
 def _block_size(c: int) -> int:
-  """Keys per fold within a chunk pair: blockwise's block where it divides the chunk."""
+  """Positions per block within a chunk pair: blockwise's block where it divides the chunk."""
   return bw.BLOCK if c > bw.BLOCK and c % bw.BLOCK == 0 else c
 
 
+def _seen(q_start, k_start, b: int, n: int):
+  """How many of a key chunk's n blocks from k_start the query block of b positions from q_start
+  sees: the keys at or before its last position, the later blocks wholly masked (never visited)."""
+  return jnp.clip((q_start + b - 1 - k_start) // b + 1, 0, n)
+
+
 def _fold_chunk(state, q, k, v, q_start, k_start, scale: float):
-  """`state` with the key/value chunk k, v (B, G, c, K) folded in, b = `_block_size` keys at a
-  time: a fold's scores are (B, G, R, c, b), so a device's temporaries grow as its T/C, not as
-  its (T/C)^2."""
+  """`state` with the key/value chunk k, v (B, G, c, K) folded into the query chunk q
+  (B, G, R, c, K), one (b x b) block pair at a time (b = `_block_size`), the pairs the causal
+  mask hides never visited (a loop of `_seen` blocks): a device's scores are (B, G, R, b, b) at a time, as one device's blockwise
+  attention holds, so its temporaries grow as its T/C."""
   b = _block_size(k.shape[2])
   if b == k.shape[2]:
     return bw.fold(state, q, k, v, q_start, k_start, scale)
+  kb, vb = _kv_blocks(k, b), _kv_blocks(v, b)
 
-  def body(st, xs):
-    j, kj, vj = xs
-    return bw.fold(st, q, kj, vj, q_start, k_start + j * b, scale), None
-  n = k.shape[2] // b
-  return lax.scan(body, state, (jnp.arange(n), _blocks(k, b), _blocks(v, b)))[0]
+  def q_row(_, xs):
+    i, q_i, st_i = xs
+    qs_i = q_start + i * b
+
+    step = lambda j, st: bw.fold(st, q_i, kb[j], vb[j], qs_i, k_start + j * b, scale)
+    return None, lax.fori_loop(0, _seen(qs_i, k_start, b, kb.shape[0]), step, st_i)
+  blocks = bw.State(*(_q_blocks(x, b) for x in state))
+  _, out = lax.scan(q_row, None, (jnp.arange(kb.shape[0]), _q_blocks(q, b), blocks))
+  return bw.State(*(_q_unblocks(x) for x in out))
 
 
 def _grad_chunk(q, k, v, do, lse, delta, q_start, k_start, scale: float):
-  """One chunk pair's (dq, dk, dv), float32 (blockwise.fold_grad), b keys at a time as in
-  `_fold_chunk`."""
+  """One chunk pair's (dq, dk, dv), float32 (blockwise.fold_grad), one (b x b) block pair at a
+  time as in `_fold_chunk`."""
   b = _block_size(k.shape[2])
   if b == k.shape[2]:
     return bw.fold_grad(q, k, v, do, lse, delta, q_start, k_start, scale)
+  kb, vb = _kv_blocks(k, b), _kv_blocks(v, b)
+  n = kb.shape[0]
 
-  def body(dq, xs):
-    j, kj, vj = xs
-    dq_j, dk_j, dv_j = bw.fold_grad(q, kj, vj, do, lse, delta, q_start, k_start + j * b, scale)
-    return dq + dq_j, (dk_j, dv_j)
-  n = k.shape[2] // b
-  dq, (dk, dv) = lax.scan(body, bw._zeros(q.shape, q, k, v, do, lse, delta),
-                          (jnp.arange(n), _blocks(k, b), _blocks(v, b)))
+  def q_row(dkv, xs):
+    i, q_i, do_i, lse_i, delta_i = xs
+    qs_i = q_start + i * b
+
+    def step(j, carry):
+      dq_i, dk, dv = carry
+      dq, dk_j, dv_j = bw.fold_grad(q_i, kb[j], vb[j], do_i, lse_i, delta_i, qs_i,
+                                    k_start + j * b, scale)
+      return dq_i + dq, dk.at[j].add(dk_j), dv.at[j].add(dv_j)
+    dq_i = bw._zeros(q_i.shape, q_i, do_i, lse_i, delta_i, kb, vb)
+    dq_i, dk, dv = lax.fori_loop(0, _seen(qs_i, k_start, b, n), step, (dq_i, *dkv))
+    return (dk, dv), dq_i
+  qb, dob = _q_blocks(q, b), _q_blocks(do, b)
+  lseb, deltab = _q_blocks(lse, b), _q_blocks(delta, b)
+  zeros_kv = bw._zeros(kb.shape, qb, kb, vb, dob, lseb, deltab)
+  (dkb, dvb), dqb = lax.scan(q_row, (zeros_kv, zeros_kv), (jnp.arange(n), qb, dob, lseb, deltab))
   unblock = lambda x: jnp.moveaxis(x, 0, 2).reshape(k.shape)  # (n, B, G, b, K) -> (B, G, c, K)
-  return dq, unblock(dk), unblock(dv)
+  return _q_unblocks(dqb), unblock(dkb), unblock(dvb)
 
 
 def _forward(q, k, v, axis: str):
