@@ -14,7 +14,9 @@ Each run is stopped by SIGTERM once its first metrics row is written (it saves a
 exits 0, as a preempted job does). Time to first step is wall seconds from starting the process
 to that row (Python and JAX start-up, data, state, compile and one step); compile time is the
 step's compile as the run reports it (`compile_s`), and `first_step_s` the first step's own
-time, which no cache removes. The child's CPU seconds are recorded beside
+time, which no cache removes; `startup_s` is the time to first step less that step's own
+computation, i.e. everything before the first step starts (process, data, state or restore,
+compile). The child's CPU seconds are recorded beside
 the wall ones: on a shared machine other processes stretch wall time, far less CPU time. The
 three runs use one command, so one compiled program: `--steps` and train.steps are compiled
 into the learning-rate schedule, and a restart with another value compiles again.
@@ -86,6 +88,8 @@ def one_run(mesh: str, args: list[str], workdir: str, cache: str, metrics: str) 
   if first is None or p.returncode != 0:
     raise SystemExit(f"train.py failed (exit {p.returncode}):\n{out[-3000:]}")
   return {"time_to_first_step_s": round(t_first, 3), "compile_s": round(first["compile_s"], 3),
+          # what a restart can save: everything before the first step starts computing
+          "startup_s": round(t_first - first["step_time_s"], 3),
           # the first interval's time: the first step's own computation (and the first
           # collectives), which no cache removes
           "first_step_s": round(first["step_time_s"], 3),
@@ -113,7 +117,8 @@ def case(name: str) -> dict:
     shutil.rmtree(tmp, ignore_errors=True)
   cold = rows["cold"]
   ratios = {f"{run}_{key}_vs_cold": round(rows[run][key] / cold[key], 3)
-            for run in ("restart", "new_run") for key in ("compile_s", "time_to_first_step_s")}
+            for run in ("restart", "new_run")
+            for key in ("compile_s", "time_to_first_step_s", "startup_s")}
   return {"mesh": mesh, "args": args, "runs": rows, "ratios": ratios,
           "cache_entries": entries, "cache_bytes": size}
 

@@ -2,8 +2,8 @@
 
 Every layout runs the same batches as one device at T = 1024 (two chunks of T/2C per device):
 first-step loss and gradients, and the next steps' losses and final parameters, within 1e-5
-relative (fp32), for GPT and Llama, alone and with data x tensor parallelism, ZeRO-3 and
-gradient accumulation. A checkpoint written at context=2 continues at context=1 and 4 with the
+relative (fp32), for GPT and Llama, alone and with data x tensor parallelism, ZeRO-2/3, gradient
+accumulation, and sequence parallelism with full remat. A checkpoint written at context=2 continues at context=1 and 4 with the
 losses context=2 itself goes on to. Bad layouts are one sentence.
 """
 import jax
@@ -64,6 +64,7 @@ def references():
 LAYOUTS = [("gpt", (1, 1, 1, 2), []), ("gpt", (1, 1, 1, 4), []),
            ("gpt", (2, 2, 1, 2), ["parallel.zero_stage=3"]),
            ("gpt", (2, 1, 1, 2), ["parallel.zero_stage=2", "train.grad_accum=2"]),
+           ("gpt", (1, 2, 1, 2), ["parallel.sequence_parallel=true", "parallel.remat=full"]),
            ("llama", (1, 1, 1, 4), []),
            ("llama", (2, 2, 1, 2), ["parallel.zero_stage=3", "model.n_kv_heads=2"])]
 
