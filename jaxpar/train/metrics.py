@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -234,6 +235,13 @@ def _missing(package: str, consequence: str) -> None:
         file=sys.stderr)
 
 
+def _import_quietly(name: str) -> None:
+  try:
+    __import__(name)
+  except Exception:  # the import at its use says what is missing
+    pass
+
+
 class MetricsLogger:
   """Writes metrics as JSON lines, TensorBoard scalars and a tqdm progress bar.
 
@@ -256,6 +264,10 @@ class MetricsLogger:
     self._bar = None
     self._first_interval = True
     self._closed = False
+    if self.use_tensorboard and is_main:
+      # Importing tensorboardX takes ~1.5 s (protobuf); done beside the compile, not at the first
+      # log, where the steps would wait for it. A missing package is reported at the first log.
+      threading.Thread(target=_import_quietly, args=("tensorboardX",), daemon=True).start()
 
   def _write_line(self, record: dict[str, Any]) -> None:
     if not self.metrics_file:
