@@ -19,7 +19,7 @@ from jaxpar.parallel import mesh as jmesh
 from jaxpar.parallel import zero
 from jaxpar.parallel.rules import constrain, is_split
 
-MODEL, DATA = jmesh.MODEL, jmesh.DATA
+MODEL, DATA, CONTEXT = jmesh.MODEL, jmesh.DATA, jmesh.CONTEXT
 
 # Megatron's pattern for a block's two matmul pairs: column-parallel in (the output split over
 # `model`), row-parallel out (partial sums reduced over `model`). With sequence parallelism the
@@ -98,17 +98,19 @@ def _batch_axes(manual) -> tuple:
 
 
 def _varying(w, manual):
-  """Inside the step's shard_map over `data`, marks `w` as varying over `data`. A weight shared by
-  the batch's shards is marked before the hand-written backward returns its per-shard gradient
-  (the mark's own backward is the sum over `data`, as jax inserts it for any matmul with the
-  batch), and that backward's results, which leave a shard_map over `model` alone, are marked so
-  their types match what they are."""
-  if DATA not in manual:
-    return w
-  try:
-    return jax.lax.pcast(w, (DATA,), to="varying")
-  except ValueError:  # already varying (a ZeRO-3 shard gathered over `data`)
-    return w
+  """Inside the step's shard_map over `data` (and `context`), marks `w` as varying over those of
+  them it is manual over: they split the batch's tokens. A weight shared by the tokens' shards is
+  marked before the hand-written backward returns its per-shard gradient (the mark's own backward
+  is the sum over them, as jax inserts it for any matmul with the batch), and that backward's
+  results, which leave a shard_map over `model` alone, are marked so their types match what they
+  are."""
+  for axis in (DATA, CONTEXT):
+    if axis in manual:
+      try:
+        w = jax.lax.pcast(w, (axis,), to="varying")
+      except ValueError:  # already varying (a ZeRO-3 shard gathered over `data`, an activation)
+        pass
+  return w
 
 
 def _weight_grad_sum(dw, manual):
