@@ -9,6 +9,7 @@ launcher exits with the first failure's code.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -34,13 +35,13 @@ def free_port() -> int:
 
 
 def mesh_devices(command: list[str]) -> int | None:
-  """Devices of the `--mesh DxMxP` in `command`, if it has one."""
+  """Devices of the `--mesh DxMxP` or `DxMxPxC` in `command`, if it has one."""
   for i, word in enumerate(command):
     spec = command[i + 1] if word == "--mesh" and i + 1 < len(command) else (
         word[len("--mesh="):] if word.startswith("--mesh=") else None)
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)", spec or "")
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(?:x(\d+))?", spec or "")
     if m:
-      return int(m[1]) * int(m[2]) * int(m[3])
+      return math.prod(int(g) for g in m.groups() if g is not None)
   return None
 
 
