@@ -118,9 +118,12 @@ def rel(a, b):
 
 LAYOUTS = {"1x1x1": ((1, 1, 1), []), "1x4x1-tp": ((1, 4, 1), []),
            "1x1x2-pipeline": ((1, 1, 2), ["parallel.microbatches=2"]),
-           "2x2x2-zero3": ((2, 2, 2), ["parallel.zero_stage=3", "parallel.microbatches=2"])}
-CASES = [(m, lay) for m in ("gpt2", "llama-12-heads-4-kv-tied") for lay in LAYOUTS] + \
-        [("llama-gqa-8-2", "1x1x1"), ("llama-gqa-8-2", "2x2x2-zero3")]  # 2 kv heads: model <= 2
+           "2x2x2-zero3": ((2, 2, 2), ["parallel.zero_stage=3", "parallel.microbatches=2"]),
+           "1x2x1x2-context": ((1, 2, 1, 2), [])}  # the loss around the ring, the sequence split
+CASES = [(m, lay) for m in ("gpt2", "llama-12-heads-4-kv-tied") for lay in LAYOUTS
+         if lay != "1x2x1x2-context"] + \
+        [("llama-gqa-8-2", "1x1x1"), ("llama-gqa-8-2", "2x2x2-zero3"),  # 2 kv heads: model <= 2
+         ("gpt2", "1x2x1x2-context"), ("llama-gqa-8-2", "1x2x1x2-context")]
 
 
 @pytest.mark.parametrize("name,layout", CASES, ids=[f"{m}-{lay}" for m, lay in CASES])
