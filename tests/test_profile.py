@@ -60,6 +60,15 @@ def test_union_counts_overlapping_spans_once():
   assert profile._union([]) == 0
 
 
+def test_concurrent_ops_count_once_for_the_first_category():
+  # XLA:CPU runs independent ops at once: an overlap counts for the lower rank only, so the
+  # categories add up to the time covered by any op; a loop's span (last rank) fills the gaps.
+  shares = profile._exclusive([(0, 10, 1), (5, 15, 0), (20, 30, 2), (18, 32, 3)], 4)
+  assert shares == [10, 5, 10, 4]
+  assert sum(shares) == profile._union([(0, 10), (5, 15), (20, 30), (18, 32)])
+  assert profile._exclusive([], 2) == [0, 0]
+
+
 def test_split_estimated_from_hlo_without_a_trace():
   cfg = config.load(None, TINY)
   mesh = jmesh.make((2, 1, 1), jax.devices()[:2])

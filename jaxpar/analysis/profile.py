@@ -129,6 +129,22 @@ def _union(spans: list[tuple[int, int]]) -> int:
   return total
 
 
+def _exclusive(spans: list[tuple[int, int, int]], n: int) -> list[int]:
+  """Time covered by [start, end, rank) spans, each instant given to the lowest rank covering it:
+  ranks 0..n-1 get their share, so the shares add up to the union of all spans (ops that ran at
+  once on one device, e.g. XLA:CPU's concurrent thunks, are counted once)."""
+  marks = sorted([(a, 1, r) for a, b, r in spans] + [(b, -1, r) for a, b, r in spans])
+  active, out, last = [0] * n, [0] * n, None
+  for t, step, rank in marks:
+    if last is not None and t > last:
+      top = next((r for r in range(n) if active[r]), None)
+      if top is not None:
+        out[top] += t - last
+    active[rank] += step
+    last = t
+  return out
+
+
 def _op_events(path: str):
   """(device, HLO op name, module, (start_ns, end_ns)) of every XLA op event in one .xplane.pb."""
   import jax
@@ -233,25 +249,29 @@ def op_categories(hlo_text: str) -> dict[str, str | None]:
 def category_split(directory: str, steps: int, categories: dict[str, str | None],
                    module: str | None = None) -> dict | None:
   """Seconds per step of each of CATEGORIES (time covered by its ops, per device, averaged over
-  devices) and `busy_s` (covered by any op), from the newest trace under `directory`; ops of other
-  programs than `module` (the step's HLO module name) are left out. None without op events."""
+  devices; an instant where ops of several categories run counts once, for the first of
+  CATEGORIES among them, so the categories add up to at most `busy_s`) and `busy_s` (covered by any
+  op), from the newest trace under `directory`; ops of other programs than `module` (the step's
+  HLO module name) are left out. None without op events."""
   path = _newest_trace(directory)
   if path is None:
     return None
-  spans: dict[Any, dict[str, list]] = {}
+  ranks = {c: i for i, c in enumerate(CATEGORIES)}
+  spans: dict[Any, list] = {}
   for device, op, mod, span in _op_events(path):
     if module is not None and mod is not None and mod != module:
       continue
-    per = spans.setdefault(device, {})
-    per.setdefault("busy", []).append(span)
+    # A loop's or call's span (category None) covers its body's ops: it ranks last, so it only
+    # counts where none of its ops' events does.
     category = categories.get(op, "other")
-    if category is not None:
-      per.setdefault(category, []).append(span)
+    spans.setdefault(device, []).append((*span, len(CATEGORIES) if category is None
+                                         else ranks[category]))
   if not spans:
     return None
   n = len(spans)
-  out = {k + "_s": sum(_union(p.get(k, [])) for p in spans.values()) / n / steps * 1e-9
-         for k in CATEGORIES + ("busy",)}
+  shares = [_exclusive(p, len(CATEGORIES) + 1) for p in spans.values()]
+  out = {c + "_s": sum(s[i] for s in shares) / n / steps * 1e-9 for i, c in enumerate(CATEGORIES)}
+  out["busy_s"] = sum(sum(s) for s in shares) / n / steps * 1e-9
   out.update(devices=n, file=path)
   return out
 
