@@ -116,6 +116,10 @@ class ParallelConfig:
   # Megatron sequence parallelism: norms and residuals split along `seq` over `model`; the
   # tensor-parallel all-reduces become reduce-scatter + all-gather
   sequence_parallel: bool = False
+  # attention over a `context` axis: ring (keys and values passed round, one chunk pair held at a
+  # time) | allgather (all gathered at once, C chunk pairs held) | auto (ring, or allgather
+  # under a pipeline, whose stages may run only all-gathers and reduce-scatters in their branches)
+  context_attention: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -153,6 +157,7 @@ _CHOICES = {
     "data.source": ("local_text", "tfds", "synthetic"),
     "parallel.schedule": ("gpipe", "circular", "1f1b"),
     "parallel.remat": ("none", "full", "dots_saveable", "offload"),
+    "parallel.context_attention": ("auto", "ring", "allgather"),
     "precision.param_dtype": _DTYPES,
     "precision.compute_dtype": ("auto",) + _DTYPES,
 }

@@ -3,8 +3,9 @@
 Every layout runs the same batches as one device at T = 1024 (two chunks of T/2C per device):
 first-step loss and gradients, and the next steps' losses and final parameters, within 1e-5
 relative (fp32), for GPT and Llama, alone and with data x tensor parallelism, ZeRO-2/3, gradient
-accumulation, and sequence parallelism with full remat. A checkpoint written at context=2 continues at context=1 and 4 with the
-losses context=2 itself goes on to. Bad layouts are one sentence.
+accumulation, sequence parallelism with full remat, and a pipeline (1F1B and GPipe, where
+attention takes its all-gather form). A checkpoint written at context=2 continues at context=1
+and 4 with the losses context=2 itself goes on to. Bad layouts are one sentence.
 """
 import jax
 import jax.numpy as jnp
@@ -61,12 +62,14 @@ def references():
   return data, {kind: train(make_cfg(kind), (1, 1, 1), data) for kind in ("gpt", "llama")}
 
 
-LAYOUTS = [("gpt", (1, 1, 1, 2), []),  # C = 4: Llama's below
+LAYOUTS = [("gpt", (1, 1, 1, 2), ["train.grad_accum=2"]),  # C = 4: Llama's below
            ("gpt", (2, 2, 1, 2), ["parallel.zero_stage=3"]),
-           ("gpt", (2, 1, 1, 2), ["parallel.zero_stage=2", "train.grad_accum=2"]),
            ("gpt", (1, 2, 1, 2), ["parallel.sequence_parallel=true", "parallel.remat=full"]),
+           # a pipeline: attention all-gathered inside the stages (context_attention=auto)
+           ("gpt", (1, 1, 2, 2), ["parallel.schedule=1f1b", "parallel.microbatches=2"]),
            ("llama", (1, 1, 1, 4), []),
-           ("llama", (2, 2, 1, 2), ["parallel.zero_stage=3", "model.n_kv_heads=2"])]
+           ("llama", (2, 2, 1, 2), ["parallel.zero_stage=3", "model.n_kv_heads=2"]),
+           ("llama", (1, 1, 2, 2), ["parallel.context_attention=allgather"])]
 
 
 @pytest.mark.parametrize("kind,shape,extra", LAYOUTS,
@@ -129,7 +132,8 @@ def test_checkpoint_from_context_2_continues_on_context_1_and_4(tmp_path):
 
 @pytest.mark.parametrize("shape,extra,message", [
     ((1, 1, 1, 3), ["model.seq_len=128"], "model.seq_len=128 is not divisible by 2 x context=6"),
-    ((1, 1, 2, 2), ["model.seq_len=128"], "with a pipeline (pipeline=2) is not supported yet"),
+    ((1, 1, 2, 2), ["model.seq_len=128", "parallel.context_attention=ring"],
+     "parallel.context_attention=ring cannot run inside a pipeline (pipeline=2)"),
     ((1, 1, 1, 2), ["model.seq_len=128", "model.dropout=0.1"], "with context=2 is not supported"),
     ((1, 1, 1, 2), ["model.kind=cnn"], "model.kind=cnn has no context-parallel attention"),
     ((1, 1, 1, 2), ["model.seq_len=128"], "needs 2 devices, found 8"),

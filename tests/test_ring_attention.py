@@ -1,7 +1,9 @@
 """Ring attention (models/ring.py) over a `context` mesh axis of C = 2 and 4 devices, the
 sequence in the balanced chunk order: outputs and gradients equal one device's blockwise causal
 attention on the whole sequence (fp32, 1e-5), also where a chunk is folded a key block at a
-time, and the compiled forward moves exactly the K/V ring's bytes in collective-permutes, with no all-gather."""
+time, and the compiled forward moves exactly the K/V ring's bytes in collective-permutes, with no
+all-gather. The all-gather form (`gather=True`, what runs inside a pipeline stage) gives the same
+numbers and moves the same keys and values in one all-gather each, no permute."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,19 +26,19 @@ def inputs():
   return q, k, v, w
 
 
-def on_ring(C: int):
+def on_ring(C: int, gather: bool = False):
   mesh = jax.make_mesh((C,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:C])
   spec = P(None, "context")
-  return mesh, jax.shard_map(lambda q, k, v: ring.ring_attention(q, k, v, "context"), mesh=mesh,
-                             in_specs=(spec, spec, spec), out_specs=spec)
+  return mesh, jax.shard_map(lambda q, k, v: ring.ring_attention(q, k, v, "context", gather),
+                             mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
 
 
-@pytest.mark.parametrize("C", [2, 4])
-def test_outputs_and_gradients_equal_one_devices_attention(C):
+@pytest.mark.parametrize("C,gather", [(2, False), (4, False), (2, True), (4, True)])
+def test_outputs_and_gradients_equal_one_devices_attention(C, gather):
   q, k, v, w = inputs()
   order = ring.balanced(T, C)
   back = np.argsort(order)
-  _, attend = on_ring(C)
+  _, attend = on_ring(C, gather)
 
   def ring_loss(q, k, v):  # in the model's order: laid out for the ring and back
     out = attend(q[:, order], k[:, order], v[:, order])[:, back]
@@ -67,6 +69,18 @@ def test_the_forward_sends_the_kv_ring_bytes_and_gathers_nothing(C):
   assert not moved["all-gather"] and not moved["all-reduce"]
 
 
+def test_the_gather_form_gathers_the_same_bytes_and_permutes_nothing():
+  C = 4
+  q, k, v, _ = inputs()
+  _, attend = on_ring(C, gather=True)
+  text = jax.jit(attend).lower(q, k, v).compile().as_text()
+  moved, sent = hlo.collective_bytes(text), hlo.sent_bytes(text, C)
+  # k and v gathered whole (C chunk pairs each); a ring all-gather sends C - 1 chunk pairs of each
+  assert moved["all-gather"] == 2 * B * T * G * K * 4, moved
+  assert sent["all-gather"] == 2 * (C - 1) * B * (T // C) * G * K * 4, sent
+  assert not moved["collective-permute"] and not moved["all-reduce"]
+
+
 def test_the_balanced_order_gives_each_device_an_early_and_a_late_chunk():
   order = ring.balanced(16, 4)  # 8 chunks of 2
   assert order.reshape(4, 2, 2)[:, :, 0].tolist() == [[0, 14], [2, 12], [4, 10], [6, 8]]
@@ -74,10 +88,10 @@ def test_the_balanced_order_gives_each_device_an_early_and_a_late_chunk():
     ring.balanced(16, 3)
 
 
-@pytest.mark.parametrize("C,block", [(2, 8), (4, 4)])
-def test_chunks_longer_than_a_block_fold_a_block_at_a_time(C, block, monkeypatch):
+@pytest.mark.parametrize("C,block,gather", [(2, 8, False), (4, 4, False), (4, 4, True)])
+def test_chunks_longer_than_a_block_fold_a_block_at_a_time(C, block, gather, monkeypatch):
   """A chunk of T/2C keys is folded blockwise.BLOCK keys at a time (scores (T/2C) x BLOCK, not
   (T/2C)^2), forward and backward, with the same results."""
   monkeypatch.setattr(blockwise, "BLOCK", block)
   assert ring._block_size(T // (2 * C)) == block < T // (2 * C)
-  test_outputs_and_gradients_equal_one_devices_attention(C)
+  test_outputs_and_gradients_equal_one_devices_attention(C, gather)

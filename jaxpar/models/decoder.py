@@ -114,24 +114,33 @@ def loss(parts: Parts, params: dict, batch: dict, ctx: StepContext = StepContext
     inputs, targets = batch["inputs"], batch["targets"]
   else:
     inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
-  if CONTEXT in ctx.manual and parts.embed_at is not None:
-    positions = ring.local_positions(inputs.shape[1], CONTEXT)
-    embed_at = parts.embed_at
-    parts = replace(parts, embed=lambda top, x, dtype: embed_at(top, x, positions, dtype))
-  logits = forward(parts, params, inputs, ctx, remat)
+  logits = forward(_on_ring(parts, inputs.shape[1], ctx), params, inputs, ctx, remat)
   return cross_entropy(logits, targets, ctx.manual), {}
+
+
+def _on_ring(parts: Parts, n: int, ctx: StepContext) -> Parts:
+  """`parts` whose embedding takes the global positions of this device's n tokens where the step
+  is manual over `context` (a GPT's learned positions; Llama's rotary angles read them in its
+  blocks); `parts` itself elsewhere."""
+  if CONTEXT not in ctx.manual or parts.embed_at is None:
+    return parts
+  positions, embed_at = ring.local_positions(n, CONTEXT), parts.embed_at
+  return replace(parts, embed=lambda top, x, dtype: embed_at(top, x, positions, dtype))
 
 
 def pipeline_grads(parts: Parts, params: dict, micro: dict, sched,
                    ctx: StepContext = StepContext(), remat: str = "none", loss_scale=1.0,
                    forward_only=False):
   """Loss and gradients through the pipeline schedule `sched` (stack.pipeline_grads), the
-  microbatches' tokens micro['tokens'] [M, b, T+1] scored by next-token cross-entropy."""
+  microbatches' tokens micro['tokens'] [M, b, T+1] scored by next-token cross-entropy (or, split
+  over `context`, this device's share of `split_sequence`'s {'inputs', 'targets'} [M, b, T/C])."""
   # inputs and targets are sliced here, where every device runs, not in the per-stage branches:
   # XLA:CPU cannot run a collective (sequence parallel's seq-split shift) that only some run
-  tokens = micro["tokens"]
-  micro = {"inputs": tokens[:, :, :-1], "targets": tokens[:, :, 1:]}
+  if "inputs" not in micro:
+    tokens = micro["tokens"]
+    micro = {"inputs": tokens[:, :, :-1], "targets": tokens[:, :, 1:]}
   score = lambda logits, mb: (cross_entropy(logits, mb["targets"], ctx.manual), {})
+  parts = _on_ring(parts, micro["inputs"].shape[2], ctx)
   return stack.pipeline_grads(parts, params, micro, sched, score, ctx=ctx, remat=remat,
                               loss_scale=loss_scale, forward_only=forward_only)
 

@@ -166,15 +166,17 @@ def attention(q, k, v) -> jax.Array:
 
 
 def attend(q, k, v, ctx: StepContext) -> jax.Array:
-  """`attention`, or around the ring (models/ring.py) where the step is manual over `context`:
-  q, k, v are then this device's T/C tokens in the ring's order. XLA:CPU has no half-precision
-  matmul with a float32 accumulator: there the ring runs in float32 too."""
+  """`attention`, or around the ring (models/ring.py; all-gathered with
+  ctx.context_attention="allgather") where the step is manual over `context`: q, k, v are then
+  this device's T/C tokens in the ring's order. XLA:CPU has no half-precision matmul with a
+  float32 accumulator: there the ring runs in float32 too."""
   if CONTEXT not in ctx.manual:
     return attention(q, k, v)
+  gather = ctx.context_attention == "allgather"
   if jax.default_backend() == "cpu":
     f32 = lambda t: t.astype(jnp.float32)
-    return ring.ring_attention(f32(q), f32(k), f32(v), CONTEXT).astype(q.dtype)
-  return ring.ring_attention(q, k, v, CONTEXT)
+    return ring.ring_attention(f32(q), f32(k), f32(v), CONTEXT, gather).astype(q.dtype)
+  return ring.ring_attention(q, k, v, CONTEXT, gather)
 
 
 # What the backward keeps of a block besides its inputs and attention's own residuals: the

@@ -162,7 +162,12 @@ def _grad_chunk(q, k, v, do, lse, delta, q_start, k_start, scale: float):
   return _q_unblocks(dqb), unblock(dkb), unblock(dvb)
 
 
-def _forward(q, k, v, axis: str):
+def _gathered(x, axis: str):
+  """Every device's chunk pair of x (B, G, 2c, K) -> (C, B, G, 2c, K), device j's at [j]."""
+  return lax.all_gather(x, axis)
+
+
+def _forward(q, k, v, axis: str, gather: bool):
   C, i = lax.axis_size(axis), lax.axis_index(axis)
   G, K = k.shape[2], q.shape[3]
   c = q.shape[1] // 2
@@ -170,7 +175,7 @@ def _forward(q, k, v, axis: str):
   qs = _halves(bw.grouped_q(q, G))  # 2 x (B, G, R, c, K)
   q_starts = _starts(i, C, c)
 
-  def fold_visiting(states, kg, vg, s):  # the chunks that came s hops, into both query chunks
+  def fold_visiting(states, kg, vg, s):  # device i - s's chunks, into both query chunks
     k_starts = _starts((i - s) % C, C, c)
     states = list(states)
     for b, (kb, vb) in enumerate(zip(_halves(kg), _halves(vg))):
@@ -181,32 +186,47 @@ def _forward(q, k, v, axis: str):
                              lambda st, f=fold: f(st), lambda st: st, states[a])
     return tuple(states)
 
-  def hop(carry, s):  # fold, then pass k and v on: one loop body for the C - 1 hops
-    states, kg, vg = carry
-    return (fold_visiting(states, kg, vg, s), _shift(kg, axis, C), _shift(vg, axis, C)), None
-
   kg, vg = bw.grouped_kv(k), bw.grouped_kv(v)  # (B, G, 2c, K)
   states = tuple(bw.init_state(qa, kg, vg) for qa in qs)
-  (states, kg, vg), _ = lax.scan(hop, (states, kg, vg), jnp.arange(C - 1))
-  states = fold_visiting(states, kg, vg, C - 1)  # the last visitors go no further
+  if gather:  # all chunks at once, folded in the ring's order
+    k_all, v_all = _gathered(kg, axis), _gathered(vg, axis)
+
+    def visit(states, s):
+      j = (i - s) % C
+      return fold_visiting(states, k_all[j], v_all[j], s), None
+    states, _ = lax.scan(visit, states, jnp.arange(C))
+  else:
+    def hop(carry, s):  # fold, then pass k and v on: one loop body for the C - 1 hops
+      states, kg, vg = carry
+      return (fold_visiting(states, kg, vg, s), _shift(kg, axis, C), _shift(vg, axis, C)), None
+
+    (states, kg, vg), _ = lax.scan(hop, (states, kg, vg), jnp.arange(C - 1))
+    states = fold_visiting(states, kg, vg, C - 1)  # the last visitors go no further
   outs, lses = zip(*(bw.finish(st) for st in states))
   out = bw.ungrouped_q(jnp.concatenate(outs, axis=-2)).astype(q.dtype)
   return out, jnp.concatenate(lses, axis=-1)  # lse (B, G, R, 2c)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str,
+                   gather: bool = False) -> jax.Array:
   """Causal attention of this device's queries over the whole ring's keys (see the module
-  docstring); q (B, 2c, H, K), k and v (B, 2c, G, K) -> (B, 2c, H, K) in q's dtype."""
-  return _forward(q, k, v, axis)[0]
+  docstring); q (B, 2c, H, K), k and v (B, 2c, G, K) -> (B, 2c, H, K) in q's dtype.
+
+  `gather`: the all-gather form. Every device gathers all keys and values at once (one
+  all-gather each) and folds them in the ring's order; the backward gathers them again and
+  reduce-scatters their gradients. It holds C chunk pairs of keys and values where the ring holds
+  one, and its collectives are all-gathers and reduce-scatters, which may run where only some
+  devices run them (inside a pipeline stage's branch), where the ring's permutes may not."""
+  return _forward(q, k, v, axis, gather)[0]
 
 
-def _ring_fwd(q, k, v, axis):
-  out, lse = _forward(q, k, v, axis)
+def _ring_fwd(q, k, v, axis, gather):
+  out, lse = _forward(q, k, v, axis, gather)
   return out, (q, k, v, out, lse)
 
 
-def _ring_bwd(axis, res, dout):
+def _ring_bwd(axis, gather, res, dout):
   q, k, v, out, lse = res
   C, i = lax.axis_size(axis), lax.axis_index(axis)
   G, K = k.shape[2], q.shape[3]
@@ -218,7 +238,7 @@ def _ring_bwd(axis, res, dout):
   lses = _halves(lse[..., None])
   q_starts = _starts(i, C, c)
 
-  def grad_visiting(dqs, dk, dv, kg, vg, s):  # the visiting chunks' pairs; dk, dv travel with them
+  def grad_visiting(dqs, dk, dv, kg, vg, s):  # device i - s's chunks' pairs; dk, dv are theirs
     k_starts = _starts((i - s) % C, C, c)
     dqs, dk_parts, dv_parts = list(dqs), list(_halves(dk)), list(_halves(dv))
     for b, (kb, vb) in enumerate(zip(_halves(kg), _halves(vg))):
@@ -233,18 +253,31 @@ def _ring_bwd(axis, res, dout):
     cat = lambda parts: jnp.concatenate(parts, axis=-2)
     return tuple(dqs), cat(dk_parts), cat(dv_parts)
 
-  def hop(carry, s):
-    dqs, dk, dv, kg, vg = carry
-    dqs, dk, dv = grad_visiting(dqs, dk, dv, kg, vg, s)
-    shift = lambda x: _shift(x, axis, C)
-    return (dqs, shift(dk), shift(dv), shift(kg), shift(vg)), None
-
   kg, vg = bw.grouped_kv(k), bw.grouped_kv(v)
   dqs = tuple(bw._zeros(qa.shape, qa, kg, dout) for qa in qs)
   dk = dv = bw._zeros(kg.shape, q, kg, dout)  # travel with their chunk
-  (dqs, dk, dv, kg, vg), _ = lax.scan(hop, (dqs, dk, dv, kg, vg), jnp.arange(C - 1))
-  dqs, dk, dv = grad_visiting(dqs, dk, dv, kg, vg, C - 1)
-  dk, dv = _shift(dk, axis, C), _shift(dv, axis, C)  # the C-th hop: home again
+  if gather:  # every chunk pair's gradients here, each summed on its owner (reduce-scatter)
+    k_all, v_all = _gathered(kg, axis), _gathered(vg, axis)
+
+    def visit(carry, s):
+      dqs, dk_all, dv_all = carry
+      j = (i - s) % C
+      dqs, dk_j, dv_j = grad_visiting(dqs, dk, dv, k_all[j], v_all[j], s)
+      return (dqs, dk_all.at[j].set(dk_j), dv_all.at[j].set(dv_j)), None
+    zeros_all = bw._zeros((C,) + dk.shape, q, kg, dout)
+    (dqs, dk_all, dv_all), _ = lax.scan(visit, (dqs, zeros_all, zeros_all), jnp.arange(C))
+    dk = lax.psum_scatter(dk_all, axis, scatter_dimension=0)
+    dv = lax.psum_scatter(dv_all, axis, scatter_dimension=0)
+  else:
+    def hop(carry, s):
+      dqs, dk, dv, kg, vg = carry
+      dqs, dk, dv = grad_visiting(dqs, dk, dv, kg, vg, s)
+      shift = lambda x: _shift(x, axis, C)
+      return (dqs, shift(dk), shift(dv), shift(kg), shift(vg)), None
+
+    (dqs, dk, dv, kg, vg), _ = lax.scan(hop, (dqs, dk, dv, kg, vg), jnp.arange(C - 1))
+    dqs, dk, dv = grad_visiting(dqs, dk, dv, kg, vg, C - 1)
+    dk, dv = _shift(dk, axis, C), _shift(dv, axis, C)  # the C-th hop: home again
   dq = bw.ungrouped_q(jnp.concatenate(dqs, axis=-2))
   ungroup_kv = lambda x: x.transpose(0, 2, 1, 3)  # (B, G, 2c, K) -> (B, 2c, G, K)
   return dq.astype(q.dtype), ungroup_kv(dk).astype(k.dtype), ungroup_kv(dv).astype(v.dtype)

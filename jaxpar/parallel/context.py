@@ -27,6 +27,8 @@ class StepContext:
   manual: frozenset = frozenset()  # mesh axes a shard_map around the call is manual over
   # `parallel.remat`: what a layer scan keeps for the backward (models/stack.py's remat_policy)
   remat: str = "none"
+  # attention over `context` where it is manual: "ring" or "allgather" (models/ring.py)
+  context_attention: str = "ring"
   # the key of this piece of the batch (models/base.py's at_rows), for a model's dropout; None:
   # run deterministic (evaluation, or no dropout). A layer scan folds in the layer's index
   rng: Any = field(default=None, hash=False, compare=False)

@@ -107,9 +107,18 @@ def check(shape, cfg: Config, n_devices: int) -> None:
     raise ConfigError(f"mesh {spec} ({named}) does not fit: " + "; ".join(problems))
 
 
+def context_attention(choice: str, pipelined: bool) -> str:
+  """`parallel.context_attention` as it runs: "auto" is the ring, or the all-gather form under a
+  pipeline (its stages run different branches in one tick; XLA:CPU's collective-permute waits
+  for every device of the program, all-gathers and reduce-scatters only for their group)."""
+  if choice == "auto":
+    return "allgather" if pipelined else "ring"
+  return choice
+
+
 def _context_problems(cfg: Config, c: int, p: int, decoder: bool) -> list[str]:
-  """What a context axis of `c` needs: a decoder (ring attention), a sequence of 2c equal chunks
-  and no pipeline yet."""
+  """What a context axis of `c` needs: a decoder (ring attention), a sequence of 2c equal chunks,
+  the all-gather form under a pipeline, no dropout (yet)."""
   mc = cfg.model
   if not decoder:
     return [f"model.kind={mc.kind} has no context-parallel attention, use context=1"]
@@ -117,9 +126,10 @@ def _context_problems(cfg: Config, c: int, p: int, decoder: bool) -> list[str]:
   if mc.seq_len % (2 * c):
     problems.append(f"model.seq_len={mc.seq_len} is not divisible by 2 x context={2 * c} "
                     "(each device holds two equal chunks of the sequence)")
-  if p > 1:
-    problems.append(f"context={c} with a pipeline (pipeline={p}) is not supported yet; use "
-                    "pipeline=1 or context=1")
+  if p > 1 and cfg.parallel.context_attention == "ring":
+    problems.append(f"parallel.context_attention=ring cannot run inside a pipeline "
+                    f"(pipeline={p}): its stages run different branches in one tick, where the "
+                    "ring's permutes would wait on each other; use allgather or auto")
   if mc.dropout > 0:
     problems.append(f"model.dropout={mc.dropout} with context={c} is not supported yet; use "
                     "model.dropout=0 or context=1")

@@ -150,22 +150,25 @@ class Trainer:
     if pc.offload_optimizer:
       self._offload_tx, self._n_clip = optim.piecewise(cfg.train, model, L.abstract_state["opt"])
     self.context = jmesh.size(mesh, CONTEXT)  # the sequence's split (ring attention)
+    self.context_attention = jmesh.context_attention(pc.context_attention,
+                                                     self.schedule is not None)
     if self.context > 1:
       self._check_context()
     self._steps: dict = {}  # compiled steps by the batch's shapes and dtypes
     self._reorder_fns: dict = {}
 
   def _check_context(self) -> None:
-    """A context axis needs a model that splits its sequence and nothing that draws per row or
-    runs a schedule over it (not yet)."""
+    """A context axis needs a model that splits its sequence, the all-gather form under a
+    pipeline, and nothing that draws per row (not yet)."""
     C = self.context
     if self.model.seq_split is None:
       raise ConfigError(f"the mesh splits the sequence over context={C}, but the model has no "
                         "context-parallel attention (ModelDef.seq_split; jaxpar's decoders have "
                         "it); use context=1")
-    if self.schedule is not None:
-      raise ConfigError(f"context={C} with a pipeline schedule is not supported yet; use "
-                        "pipeline=1 or context=1")
+    if self.schedule is not None and self.context_attention == "ring":
+      raise ConfigError("parallel.context_attention=ring cannot run inside a pipeline: its "
+                        "stages run different branches in one tick, where the ring's permutes "
+                        "would wait on each other; use allgather or auto")
     if self.model.takes_rng:
       raise ConfigError(f"context={C} with dropout is not supported yet; use model.dropout=0 "
                         "or context=1")
@@ -322,6 +325,10 @@ class Trainer:
     return jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=keep(out_specs),
                          axis_names=manual, check_vma=self.schedule is None)(params, batch)
 
+  def _ctx(self, manual: frozenset) -> StepContext:
+    return StepContext(self.compute_dtype, self.layout.param_dims, manual,
+                       self.cfg.parallel.remat, self.context_attention)
+
   def _micro(self, batch):
     """Batch leaves (b, ...) -> (M, b / M, ...) for the pipeline schedule's M microbatches."""
     M = self.schedule.microbatches
@@ -333,13 +340,12 @@ class Trainer:
     when there is one. `params` are the state's own (stage order under the circular schedule)."""
     model, sched = self.model, self.schedule
     data_sharded, manual = self._manual()
-    ctx = StepContext(self.compute_dtype, self.layout.param_dims, manual,
-                      self.cfg.parallel.remat)
+    ctx = self._ctx(manual)
 
     def local(params, batch):
       if sched is not None:
         loss, aux, _ = model.pipeline(params, self._micro(batch), sched, ctx, forward_only=True)
-        loss, aux = _as_float_weight(loss, aux)
+        loss, aux = _over_context(*_as_float_weight(loss, aux), manual)
       else:
         loss, aux = _over_context(*_as_float_weight(*model.loss(params, batch, ctx)), manual)
       weighted = sched is None and WEIGHT in aux
@@ -369,7 +375,7 @@ class Trainer:
     scale = precision.static_scale(self.cfg.precision) if scale is None else scale
     model, sched = self.model, self.schedule
     data_sharded, manual = self._manual()
-    ctx = StepContext(self.compute_dtype, L.param_dims, manual, self.cfg.parallel.remat)
+    ctx = self._ctx(manual)
     # Without a pipeline the body is differentiated by jax.grad under vma checking; the pipeline
     # executor differentiates by hand (jax.vjp per stage), where per-device values are simply local.
     vma = sched is None
@@ -396,7 +402,10 @@ class Trainer:
         if sched is not None:
           # the schedule seeds each microbatch's backward with the scale (not a multiply after)
           loss, aux, grads = model.pipeline(params, self._micro(mb), sched, ctx, scale)
-          return (*_as_float_weight(loss, aux), grads)
+          if CONTEXT in manual:  # each device's vjp is of its share's mean: average the shares
+            mean = zero.in_float32(lambda g: jax.lax.pmean(g, CONTEXT))
+            grads = jax.tree_util.tree_map(mean, grads)
+          return (*_over_context(*_as_float_weight(loss, aux), manual), grads)
 
         rng = {}
         if key_data is not None:
