@@ -12,6 +12,9 @@ speed of the training step at long sequences, read off the compiled program.
 - **communication**: the bytes each device sends in collective-permutes per step, from the HLO,
   against the K/V ring's theory: per layer and step (6C - 4) x B x (T/C) x G x K x 4 bytes
   (forward: k and v, C-1 hops; backward: k and v again, C-1 hops, and their gradients, C hops).
+  With `--set parallel.context_attention=allgather`, the all-gather and reduce-scatter bytes
+  against 6 (C - 1) x B x (T/C) x G x K x 4 (k and v gathered forward and backward, their
+  gradients reduce-scattered).
 - **speed**: tokens per wall second and per CPU second of this process for each T and C, the
   devices simulated on this machine's cores (`--xla_force_host_platform_device_count`): on a
   CPU the C "devices" share the same cores, so the ratios say what the ring costs in work, not
@@ -82,11 +85,17 @@ def measure(cfg, C: int) -> dict:
   mc = cfg.model
   G, K = mc.n_kv_heads or mc.n_heads, mc.d_model // mc.n_heads
   X = cfg.train.batch_size * (mc.seq_len // C) * G * K * 4
-  theory = mc.n_layers * (6 * C - 4) * X if C > 1 else 0
-  return {"temp_bytes": mem["temp_bytes"], "peak_bytes": mem["peak_bytes"],
+  gather = jmesh.context_attention(cfg.parallel.context_attention, False) == "allgather"
+  # the ring: (6C - 4) X per layer; the all-gather form: k and v gathered in the forward and
+  # again in the backward, their gradients reduce-scattered, each sending (C - 1) X
+  theory = mc.n_layers * (6 * (C - 1) if gather else 6 * C - 4) * X if C > 1 else 0
+  return {"context_attention": "allgather" if gather else "ring",
+          "temp_bytes": mem["temp_bytes"], "peak_bytes": mem["peak_bytes"],
           "argument_bytes": mem["argument_bytes"],
           "collective_permute_bytes": sent.get("collective-permute", 0),
-          "ring_theory_bytes": theory}
+          "all_gather_bytes": sent.get("all-gather", 0),
+          "reduce_scatter_bytes": sent.get("reduce-scatter", 0),
+          "ring_theory_bytes" if not gather else "allgather_theory_bytes": theory}
 
 
 def memory(Cs: list[int], T: int, batch: int, overrides: list[str]) -> dict:
@@ -95,10 +104,13 @@ def memory(Cs: list[int], T: int, batch: int, overrides: list[str]) -> dict:
   for C in Cs:
     row = out[str(C)]
     row["temp_ratio_to_first"] = row["temp_bytes"] / base
+    theory = row.get("ring_theory_bytes", row.get("allgather_theory_bytes"))
     print(f"T {T} C {C}: temporaries {row['temp_bytes'] / MiB:.1f} MiB (x{row['temp_ratio_to_first']:.3f}),"
           f" peak {row['peak_bytes'] / MiB:.1f} MiB, collective-permute "
-          f"{row['collective_permute_bytes'] / MiB:.2f} MiB (ring theory "
-          f"{row['ring_theory_bytes'] / MiB:.2f})", flush=True)
+          f"{row['collective_permute_bytes'] / MiB:.2f} MiB, all-gather "
+          f"{row['all_gather_bytes'] / MiB:.2f} MiB, reduce-scatter "
+          f"{row['reduce_scatter_bytes'] / MiB:.2f} MiB ({row['context_attention']} theory "
+          f"{theory / MiB:.2f})", flush=True)
   return out
 
 

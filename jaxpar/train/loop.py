@@ -8,6 +8,7 @@ object each in hooks.py, called at a step.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -101,15 +102,27 @@ class _Run:
                                    every=cfg.checkpoint.every)
     abstract = _batch_abstract(self.batches.element_spec, pc)
     self.batch_sharding = trainer.batch_sharding(abstract)
-    self.state, self.start, skipped = self._initial_state(start)
-    # The state is created asynchronously: waiting for it here keeps its computation out of the
-    # compile's time (on CPU they share the cores, so the wait costs no wall time there).
-    jax.block_until_ready(self.state)
-    self.step = self.start
+    self.start = self.step = start or 0
     self.watchdog = jdistributed.Watchdog(cfg.train, cfg.train.log_every)
-    self.watchdog.at(self.start, "compiling the step", slow=True)
-    with jmetrics.compile_watch() as self.compile_info, self.watchdog:
-      self.compiled = trainer.lower(abstract).compile()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+      if start is not None:
+        # A resume reads its checkpoint beside the step's tracing and compile (Python and XLA
+        # on this thread, orbax's reads and tensorstore's threads on that one): a restart's
+        # time to its first step is the longer of the two, not their sum.
+        restored = pool.submit(self._initial_state, start)
+      else:
+        # A new state is created asynchronously: waiting for it here keeps its computation out
+        # of the compile's time (on CPU they share the cores, so the wait costs no wall time).
+        restored = None
+        self.state, _, skipped = self._initial_state(None)
+        jax.block_until_ready(self.state)
+      self.watchdog.at(self.start, "compiling the step", slow=True)
+      try:
+        with jmetrics.compile_watch() as self.compile_info, self.watchdog:
+          self.compiled = trainer.lower(abstract).compile()
+      finally:
+        if restored is not None:  # its failure (one sentence) first: it is the run's to report
+          self.state, _, skipped = restored.result()
     self.peak, self.peak_source = jmetrics.peak_flops_per_device()
     logger = jmetrics.MetricsLogger(workdir if self.is_main else None,
                                     metrics_file if self.is_main else None, cfg.train.steps,
