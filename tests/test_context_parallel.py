@@ -134,7 +134,6 @@ def test_checkpoint_from_context_2_continues_on_context_1_and_4(tmp_path):
     ((1, 1, 1, 3), ["model.seq_len=128"], "model.seq_len=128 is not divisible by 2 x context=6"),
     ((1, 1, 2, 2), ["model.seq_len=128", "parallel.context_attention=ring"],
      "parallel.context_attention=ring cannot run inside a pipeline (pipeline=2)"),
-    ((1, 1, 1, 2), ["model.seq_len=128", "model.dropout=0.1"], "with context=2 is not supported"),
     ((1, 1, 1, 2), ["model.kind=cnn"], "model.kind=cnn has no context-parallel attention"),
     ((1, 1, 1, 2), ["model.seq_len=128"], "needs 2 devices, found 8"),
 ])

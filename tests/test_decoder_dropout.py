@@ -1,6 +1,7 @@
 """`model.dropout`: the decoders' residual dropout is applied in training only, follows each step's
 key, and draws the same masks on every layout, so the first step's loss and gradients on a data
-split, tensor parallelism (with and without sequence parallelism) and ZeRO-3 equal one device's.
+split, tensor parallelism (with and without sequence parallelism), ZeRO-3 and a sequence split over
+`context` (each device numbering its bits by its tokens' global positions) equal one device's.
 
 Tolerance (fp32): 1e-5 relative, as in test_equivalence.py; the masks themselves must be equal bit
 for bit, or a dropped element would differ by its whole value and the error would be O(rate).
@@ -67,11 +68,14 @@ LAYOUTS = [("gpt", (2, 4, 1), ["parallel.zero_stage=3"]),
            ("gpt", (8, 1, 1), ["parallel.zero_stage=3"]),
            ("gpt", (2, 4, 1), ["parallel.sequence_parallel=true"]),
            ("gpt", (2, 2, 1), ["parallel.remat=full", "train.grad_accum=2"]),
-           ("llama", (2, 2, 1), ["parallel.zero_stage=3"])]
+           ("llama", (2, 2, 1), ["parallel.zero_stage=3"]),
+           # the sequence split over context: each device draws its positions' bits
+           ("gpt", (2, 1, 1, 2), ["parallel.zero_stage=2", "train.grad_accum=2"]),
+           ("llama", (1, 2, 1, 4), ["parallel.sequence_parallel=true"])]
 
 
 @pytest.mark.parametrize("kind,shape,extra", LAYOUTS,
-                         ids=[f"{k}-{'x'.join(map(str, s))}-{'-'.join(e)}" for k, s, e in LAYOUTS])
+                         ids=[f"{k}-{jmesh.spec_str(s)}-{'-'.join(e)}" for k, s, e in LAYOUTS])
 def test_first_step_with_dropout_matches_one_device(references, kind, shape, extra):
   ref_loss, ref_grads = references[kind]
   loss, grads = first_step(make_cfg(f"model.kind={kind}", "model.dropout=0.1", *extra), shape)

@@ -7,6 +7,7 @@ decides (compute dtype, ZeRO-3 shards, manual mesh axes) reaches the model as on
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
@@ -59,20 +60,25 @@ class ModelDef:
 # by r0 rows: a draw of shape (b, ...) is then rows r0..r0+b of the global draw of the same key.
 # With r0 = 0 it is threefry, bit for bit, so a plain-JAX reference with jax.random.key draws the
 # same masks. Draws without a leading batch axis (e.g. on a weight) would differ per shard.
+#
+# Split over a `context` axis of C, a device holds positions of chunks i and 2C-1-i of each row
+# (models/ring.py's order): its key also carries i (the "ring" key, one impl per C), and a draw
+# of shape (b, n, ...) numbers the element at local position t by its global position, so the
+# device draws exactly the bits one device's (b, C n, ...) draw holds there.
 _THREEFRY = jrandom.threefry_prng_impl
 _U32 = jnp.uint32
 
 
-def _rows_seed(seed):
-  return jnp.concatenate([_THREEFRY.seed(seed), jnp.zeros((1,), _U32)])
+def _extra_seed(n: int):
+  return lambda seed: jnp.concatenate([_THREEFRY.seed(seed), jnp.zeros((n,), _U32)])
 
 
-def _rows_split(key, shape):
+def _extra_split(key, shape):
   sub = _THREEFRY.split(key[:2], shape)
-  return jnp.concatenate([sub, jnp.broadcast_to(key[2], shape + (1,))], axis=-1)
+  return jnp.concatenate([sub, jnp.broadcast_to(key[2:], shape + key[2:].shape)], axis=-1)
 
 
-def _rows_fold_in(key, data):
+def _extra_fold_in(key, data):
   return jnp.concatenate([_THREEFRY.fold_in(key[:2], data), key[2:]])
 
 
@@ -86,16 +92,10 @@ def _mul_64(a, b: int):
   return hh + (lh >> 16) + (hl >> 16) + (mid >> 16), (ll & 0xFFFF) | (mid << 16)
 
 
-def _rows_bits(key, bit_width, shape):
-  """Partitionable threefry's bits with the flat counter moved on by key[2] rows of `shape`."""
-  if math.prod(shape) >= 2 ** 32:
-    # The row offset is added to a 64-bit counter, but one draw's own counter is 32-bit.
-    raise ConfigError(f"a random draw of {math.prod(shape)} elements in one piece of the batch is "
-                      f"more than the 2**32 the step's key can number; draw in smaller pieces")
-  flat = jnp.zeros(shape, _U32)
-  for d in range(len(shape)):
-    flat = flat + lax.broadcasted_iota(_U32, shape, d) * _U32(math.prod(shape[d + 1:]))
-  hi, lo = _mul_64(key[2], math.prod(shape[1:]) if shape else 1)
+def _counter_bits(key, bit_width, shape, flat, row: int):
+  """Threefry's bits of the elements numbered `flat` (uint32, `shape`) within the draw, the whole
+  counter moved on by key[2] rows of `row` elements."""
+  hi, lo = _mul_64(key[2], row)
   lo = flat + lo
   hi = hi + (lo < flat).astype(_U32)  # the carry
   b1, b2 = jrandom.threefry2x32_p.bind(key[0], key[1], hi, lo)
@@ -104,9 +104,53 @@ def _rows_bits(key, bit_width, shape):
   return (b1 ^ b2).astype({8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}[bit_width])
 
 
-_ROWS = jrandom.define_prng_impl(key_shape=(3,), seed=_rows_seed, split=_rows_split,
-                                 random_bits=_rows_bits, fold_in=_rows_fold_in,
+def _too_many(n: int) -> ConfigError:
+  # The row offset is added to a 64-bit counter, but one draw's own counter is 32-bit.
+  return ConfigError(f"a random draw of {n} elements in one piece of the batch is more than the "
+                     f"2**32 the step's key can number; draw in smaller pieces")
+
+
+def _rows_bits(key, bit_width, shape):
+  """Partitionable threefry's bits with the flat counter moved on by key[2] rows of `shape`."""
+  if math.prod(shape) >= 2 ** 32:
+    raise _too_many(math.prod(shape))
+  flat = jnp.zeros(shape, _U32)
+  for d in range(len(shape)):
+    flat = flat + lax.broadcasted_iota(_U32, shape, d) * _U32(math.prod(shape[d + 1:]))
+  return _counter_bits(key, bit_width, shape, flat, math.prod(shape[1:]) if shape else 1)
+
+
+def _ring_bits(C: int):
+  def bits(key, bit_width, shape):
+    """`_rows_bits` of the global draw (b, C n, ...) at this device's positions (key[3] = i)."""
+    if len(shape) < 2 or shape[1] % 2:
+      raise ConfigError(f"a random draw of shape {tuple(shape)} inside a step split over "
+                        "context must have the batch, then the sequence (two equal chunks), as "
+                        "its leading axes")
+    n, rest = shape[1], math.prod(shape[2:])
+    row = C * n * rest  # a global row's elements
+    if shape[0] * row >= 2 ** 32:
+      raise _too_many(shape[0] * row)
+    c, i = n // 2, key[3]
+    t = lax.broadcasted_iota(_U32, shape, 1)
+    position = jnp.where(t < c, i * c + t, (2 * C - 1 - i) * c + t - c)
+    flat = lax.broadcasted_iota(_U32, shape, 0) * _U32(row) + position * _U32(rest)
+    for d in range(2, len(shape)):
+      flat = flat + lax.broadcasted_iota(_U32, shape, d) * _U32(math.prod(shape[d + 1:]))
+    return _counter_bits(key, bit_width, shape, flat, row)
+  return bits
+
+
+_ROWS = jrandom.define_prng_impl(key_shape=(3,), seed=_extra_seed(1), split=_extra_split,
+                                 random_bits=_rows_bits, fold_in=_extra_fold_in,
                                  name="jaxpar_rows_threefry", tag="jprows")
+
+
+@functools.lru_cache(maxsize=None)
+def _ring(C: int):
+  return jrandom.define_prng_impl(key_shape=(4,), seed=_extra_seed(2), split=_extra_split,
+                                  random_bits=_ring_bits(C), fold_in=_extra_fold_in,
+                                  name=f"jaxpar_ring{C}_threefry", tag=f"jpring{C}")
 
 
 def train_key(seed: int, step) -> jax.Array:
@@ -114,10 +158,15 @@ def train_key(seed: int, step) -> jax.Array:
   return jax.random.fold_in(jax.random.key(seed), step)
 
 
-def at_rows(key: jax.Array, first_row) -> jax.Array:
-  """`key` (threefry) for a piece of the batch starting at global row `first_row` (traced)."""
-  return jax.random.wrap_key_data(
-      jnp.concatenate([jax.random.key_data(key), jnp.asarray(first_row, _U32)[None]]), impl=_ROWS)
+def at_rows(key: jax.Array, first_row, ring: tuple | None = None) -> jax.Array:
+  """`key` (threefry) for a piece of the batch starting at global row `first_row` (traced); with
+  `ring` = (i, C), of device i's positions on a context axis of C (traced i, int C)."""
+  data = [jax.random.key_data(key), jnp.asarray(first_row, _U32)[None]]
+  if ring is None:
+    return jax.random.wrap_key_data(jnp.concatenate(data), impl=_ROWS)
+  i, C = ring
+  data.append(jnp.asarray(i, _U32)[None])
+  return jax.random.wrap_key_data(jnp.concatenate(data), impl=_ring(C))
 
 
 # -- the module's inputs and the loss's extras -------------------------------------------------

@@ -87,9 +87,11 @@ def with_embed_dropout(parts: Parts, rate: float, key, n_layers: int) -> Parts:
   if key is None or rate == 0:
     return parts
   key = jax.random.fold_in(key, n_layers)
-  embed = parts.embed
-  return replace(parts, embed=lambda top, inputs, dtype: dropout(embed(top, inputs, dtype), rate,
-                                                                 key, 0))
+  embed, embed_at = parts.embed, parts.embed_at
+  drop = lambda x: dropout(x, rate, key, 0)
+  return replace(parts, embed=lambda top, inputs, dtype: drop(embed(top, inputs, dtype)),
+                 embed_at=embed_at and (lambda top, inputs, positions, dtype:
+                                        drop(embed_at(top, inputs, positions, dtype))))
 
 
 def split_sequence(batch: dict, C: int) -> dict:

@@ -118,7 +118,7 @@ def context_attention(choice: str, pipelined: bool) -> str:
 
 def _context_problems(cfg: Config, c: int, p: int, decoder: bool) -> list[str]:
   """What a context axis of `c` needs: a decoder (ring attention), a sequence of 2c equal chunks,
-  the all-gather form under a pipeline, no dropout (yet)."""
+  the all-gather form under a pipeline."""
   mc = cfg.model
   if not decoder:
     return [f"model.kind={mc.kind} has no context-parallel attention, use context=1"]
@@ -130,9 +130,6 @@ def _context_problems(cfg: Config, c: int, p: int, decoder: bool) -> list[str]:
     problems.append(f"parallel.context_attention=ring cannot run inside a pipeline "
                     f"(pipeline={p}): its stages run different branches in one tick, where the "
                     "ring's permutes would wait on each other; use allgather or auto")
-  if mc.dropout > 0:
-    problems.append(f"model.dropout={mc.dropout} with context={c} is not supported yet; use "
-                    "model.dropout=0 or context=1")
   return problems
 
 

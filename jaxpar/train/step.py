@@ -158,8 +158,8 @@ class Trainer:
     self._reorder_fns: dict = {}
 
   def _check_context(self) -> None:
-    """A context axis needs a model that splits its sequence, the all-gather form under a
-    pipeline, and nothing that draws per row (not yet)."""
+    """A context axis needs a model that splits its sequence, and the all-gather form under a
+    pipeline."""
     C = self.context
     if self.model.seq_split is None:
       raise ConfigError(f"the mesh splits the sequence over context={C}, but the model has no "
@@ -169,9 +169,6 @@ class Trainer:
       raise ConfigError("parallel.context_attention=ring cannot run inside a pipeline: its "
                         "stages run different branches in one tick, where the ring's permutes "
                         "would wait on each other; use allgather or auto")
-    if self.model.takes_rng:
-      raise ConfigError(f"context={C} with dropout is not supported yet; use model.dropout=0 "
-                        "or context=1")
 
   # -- state -------------------------------------------------------------------------------------
 
@@ -410,7 +407,8 @@ class Trainer:
         rng = {}
         if key_data is not None:
           first = row0 + i * jax.tree_util.tree_leaves(mb)[0].shape[0]
-          rng = {"rng": jmodel.at_rows(jax.random.wrap_key_data(key_data), first)}
+          ring = (jax.lax.axis_index(CONTEXT), self.context) if CONTEXT in manual else None
+          rng = {"rng": jmodel.at_rows(jax.random.wrap_key_data(key_data), first, ring)}
 
         def scaled(p):
           loss, aux = _over_context(*_as_float_weight(*model.loss(p, mb, ctx, **rng)), manual)
