@@ -65,7 +65,6 @@ def references():
 
 
 LAYOUTS = [("gpt", (2, 4, 1), ["parallel.zero_stage=3"]),
-           ("gpt", (8, 1, 1), ["parallel.zero_stage=3"]),
            ("gpt", (2, 4, 1), ["parallel.sequence_parallel=true"]),
            ("gpt", (2, 2, 1), ["parallel.remat=full", "train.grad_accum=2"]),
            ("llama", (2, 2, 1), ["parallel.zero_stage=3"]),

@@ -57,8 +57,9 @@ def test_chart_shows_every_stage():
   assert chart.splitlines()[0].startswith("stage 0:") and "F3" in chart and "B3" in chart
 
 
+# P = 2 alone is left to test_equivalence.py's 2x2x2 layouts and the other files' 1x1x2 ones.
 PIPE_LAYOUTS = [(shape, stage, name) for name in ("gpipe", "1f1b", "circular")
-                for shape, stage in (((1, 1, 2), 0), ((1, 1, 4), 0), ((2, 2, 2), 3), ((2, 1, 4), 1))]
+                for shape, stage in (((1, 1, 4), 0), ((2, 2, 2), 3), ((2, 1, 4), 1))]
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,14 @@ The C - 1 hops are one `lax.scan` (forward and backward), so compile time does n
 (one device's default-model step at T 4096 compiled in 5.5 / 6.2 / 6.0 s at C = 2 / 4 / 8, where
 unrolled hops took 4.6 / 7.0 / 11.9 s) and the hops' buffers are one iteration's.
 
+`ring_attention(..., gather=True)` is the all-gather form: the same folds in the same order, the
+keys and values gathered at once (one all-gather each; the backward gathers again and
+reduce-scatters their gradients), 6 (C - 1) x B x (T/C) x G x K x bytes sent per call where the
+ring sends (6C - 4) x ..., C chunk pairs held where the ring holds one. Inside a pipeline stage's
+branch of the schedule it is the form that runs: there only the stage's devices run the
+collectives, which XLA:CPU's all-gathers and reduce-scatters allow and its collective-permutes
+do not (they wait for every device of the program).
+
 The trainer runs it on the mesh's `context` axis: the step's shard_map is manual over it, a
 decoder's batch is laid out in the `balanced` order (`split_sequence`), embeddings, norms, MLPs
 and the loss see each device's T/C tokens at their global positions (`local_positions`), and only
