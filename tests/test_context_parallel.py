@@ -62,7 +62,7 @@ def references():
   return data, {kind: train(make_cfg(kind), (1, 1, 1), data) for kind in ("gpt", "llama")}
 
 
-LAYOUTS = [("gpt", (1, 1, 1, 2), ["train.grad_accum=2"]),  # C = 4: Llama's below
+LAYOUTS = [("gpt", (1, 1, 1, 4), ["train.grad_accum=2"]),
            ("gpt", (2, 2, 1, 2), ["parallel.zero_stage=3"]),
            ("gpt", (1, 2, 1, 2), ["parallel.sequence_parallel=true", "parallel.remat=full"]),
            # a pipeline: attention all-gathered inside the stages (context_attention=auto)
