@@ -85,7 +85,8 @@ def test_bad_data_leaves_the_workdir_as_it_was(tmp_path, folder, message, capsys
   assert [p.name for p in kept.iterdir()] == ["notes.txt"]
 
 
-def test_output_paths_taken_by_the_other_kind_are_refused_before_any_work(tmp_path):
+def test_output_paths_taken_by_the_other_kind_are_refused_before_any_work(tmp_path, capsys):
+  from jaxpar.commands import train as train_command  # in process, as the bad-input test runs
   a_file = tmp_path / "a_file"
   a_file.write_text("mine")
   cases = [(["--workdir", str(a_file)], f"--workdir {a_file} is a file"),
@@ -99,10 +100,12 @@ def test_output_paths_taken_by_the_other_kind_are_refused_before_any_work(tmp_pa
            (["--workdir", str(tmp_path / "wd"), "--metrics-file", "/proc/jaxpar_m.jsonl"],
             "--metrics-file /proc/jaxpar_m.jsonl cannot be written")]
   for args, message in cases:
-    r = train("--mesh", "1x1x1", *args, "--set", "data.source=synthetic", "--no-progress")
-    assert r.returncode == 2, r.stderr
-    lines = [l for l in r.stderr.splitlines() if l.startswith("error:")]
-    assert len(lines) == 1 and message in lines[0] and "Traceback" not in r.stderr, r.stderr
+    code = train_command.main(["--mesh", "8x1x1", *args, "--set", "data.source=synthetic",
+                               "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [l for l in err.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
   assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"] and a_file.read_text() == "mine"
 
 

@@ -144,21 +144,26 @@ def test_export_writes_every_parameter_unsharded(run, tmp_path):
   assert info["n_params"] == sum(x.size for x in want.values())
 
 
-def test_export_bad_input_is_exit_2(run, tmp_path):
+def test_export_bad_input_is_exit_2(run, tmp_path, capsys):
+  from jaxpar.commands import export as export_command  # the script's main, in process
+
+  def export(*args):
+    code = export_command.main([str(a) for a in args])
+    return code, capsys.readouterr().err
   out = tmp_path / "m.safetensors"
-  r = script("export.py", "--workdir", tmp_path / "none", "--out", out)
-  assert r.returncode == 2 and "Traceback" not in r.stderr
-  assert len([l for l in r.stderr.splitlines() if l.startswith("error:")]) == 1
-  assert "holds no complete checkpoint" in r.stderr
-  r = script("export.py", "--workdir", run["workdir"], "--step", 7, "--out", out)
-  assert r.returncode == 2 and "has no checkpoint of step 7; it has steps 30" in r.stderr
+  code, err = export("--workdir", tmp_path / "none", "--out", out)
+  assert code == 2 and "Traceback" not in err
+  assert len([l for l in err.splitlines() if l.startswith("error:")]) == 1
+  assert "holds no complete checkpoint" in err
+  code, err = export("--workdir", run["workdir"], "--step", 7, "--out", out)
+  assert code == 2 and "has no checkpoint of step 7; it has steps 30" in err
   assert not out.exists()
   a_file = tmp_path / "a_file"
   a_file.write_text("mine")
   for args, message in ((["--out", a_file / "m.safetensors"], f"cannot be made: {a_file} is a file"),
                         (["--hf", a_file], f"--hf {a_file} is a file; it must be a folder")):
-    r = script("export.py", "--workdir", run["workdir"], *args)
-    assert r.returncode == 2 and "Traceback" not in r.stderr and message in r.stderr, r.stderr
+    code, err = export("--workdir", run["workdir"], *args)
+    assert code == 2 and "Traceback" not in err and message in err, err
   assert a_file.read_text() == "mine"
 
 
