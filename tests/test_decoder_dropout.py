@@ -133,3 +133,17 @@ def test_pipeline_with_dropout_is_refused():
     t = Trainer(cfg, jmesh.make((2, 1, 2), jax.devices()[:4]), jmodel.build_model(cfg))
     t.step(t.init(0), {"tokens": tokens(cfg)})
   jmesh.check((2, 1, 2), make_cfg(), 4)  # without dropout the pipeline is fine
+
+
+def test_a_ring_key_draws_one_devices_bits_at_its_positions():
+  """Device i of C on a context axis draws, for its (b, n, ...) piece, the bits the one-device
+  (b, C n, ...) draw holds at its positions (chunks i and 2C-1-i); other shapes are refused."""
+  from jaxpar.models import ring
+  key, C, shape = base.train_key(0, 3), 4, (2, 16, 3)
+  whole = jax.random.bits(base.at_rows(key, 5), shape)
+  order = ring.balanced(shape[1], C).reshape(C, -1)
+  for i in range(C):
+    piece = jax.random.bits(base.at_rows(key, 5, ring=(i, C)), (2, shape[1] // C, 3))
+    np.testing.assert_array_equal(piece, whole[:, order[i]])
+  with pytest.raises(ConfigError, match="must have the batch, then the sequence"):
+    jax.random.bits(base.at_rows(key, 0, ring=(0, C)), (5,))
