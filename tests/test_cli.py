@@ -7,6 +7,8 @@ import sys
 import pytest
 from conftest import FAST_XLA, child_env
 
+from jaxpar.commands import train as train_command
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.d_ff=64",
         "model.seq_len=16", "train.batch_size=8", "train.log_every=2"]
@@ -41,7 +43,6 @@ BAD = [
 def test_bad_input_is_one_sentence_and_exit_2(tmp_path, args, message, capsys):
   # The command's main as train.py runs it, in process; where it then counts this process's 8
   # devices against a mesh for another count, the script itself, in a process of its own.
-  from jaxpar.commands import train as train_command
   workdir = tmp_path / "wd"
   code = train_command.main([*args, "--workdir", str(workdir), "--no-progress"])
   err = capsys.readouterr().err
@@ -65,7 +66,6 @@ def test_bad_data_leaves_the_workdir_as_it_was(tmp_path, folder, message, capsys
   # The local_text build writes under <workdir>/data before the folder or its size is found
   # wanting; all of it goes again, and a workdir that was there keeps what it held. In process
   # (the command's main, as train.py runs it): the one sentence and the exit code are its own.
-  from jaxpar.commands import train as train_command
   data = tmp_path / folder
   if folder != "missing":
     data.mkdir()
@@ -86,7 +86,6 @@ def test_bad_data_leaves_the_workdir_as_it_was(tmp_path, folder, message, capsys
 
 
 def test_output_paths_taken_by_the_other_kind_are_refused_before_any_work(tmp_path, capsys):
-  from jaxpar.commands import train as train_command  # in process, as the bad-input test runs
   a_file = tmp_path / "a_file"
   a_file.write_text("mine")
   cases = [(["--workdir", str(a_file)], f"--workdir {a_file} is a file"),

@@ -16,6 +16,7 @@ from jaxpar import config, kinds
 from jaxpar.config import ConfigError
 from jaxpar.models import base
 from jaxpar.models import registry as jmodel
+from jaxpar.models import ring
 from jaxpar.parallel import mesh as jmesh
 from jaxpar.train.step import Trainer
 
@@ -138,7 +139,6 @@ def test_pipeline_with_dropout_is_refused():
 def test_a_ring_key_draws_one_devices_bits_at_its_positions():
   """Device i of C on a context axis draws, for its (b, n, ...) piece, the bits the one-device
   (b, C n, ...) draw holds at its positions (chunks i and 2C-1-i); other shapes are refused."""
-  from jaxpar.models import ring
   key, C, shape = base.train_key(0, 3), 4, (2, 16, 3)
   whole = jax.random.bits(base.at_rows(key, 5), shape)
   order = ring.balanced(shape[1], C).reshape(C, -1)

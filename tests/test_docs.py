@@ -15,6 +15,8 @@ import sys
 
 from conftest import child_env
 
+from jaxpar.commands import train as train_command
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FAST = ["--steps", "4", "--no-progress", "--set", "data.max_bytes=300000"]
 
@@ -82,7 +84,6 @@ def test_docs_commands_run_in_order(tmp_path, monkeypatch, capsys):
               in r.stderr), what
 
   # The next two end before any compile: in process (the command's main, in the same folder).
-  from jaxpar.commands import train as train_command
   monkeypatch.chdir(tmp_path)
   capsys.readouterr()
   # the main job again: its checkpoint is at --steps, so one line and exit 0

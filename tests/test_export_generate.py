@@ -15,6 +15,7 @@ from conftest import child_env
 
 import jaxpar
 from jaxpar import config
+from jaxpar.commands import export as export_command
 from jaxpar.interop import generate
 from jaxpar.train import checkpoint, loop
 
@@ -145,9 +146,7 @@ def test_export_writes_every_parameter_unsharded(run, tmp_path):
 
 
 def test_export_bad_input_is_exit_2(run, tmp_path, capsys):
-  from jaxpar.commands import export as export_command  # the script's main, in process
-
-  def export(*args):
+  def export(*args):  # the script's main, in process
     code = export_command.main([str(a) for a in args])
     return code, capsys.readouterr().err
   out = tmp_path / "m.safetensors"

@@ -110,14 +110,19 @@ def _too_many(n: int) -> ConfigError:
                      f"2**32 the step's key can number; draw in smaller pieces")
 
 
+def _flat(shape, first: int = 0):
+  """Each element's row-major index within its axes `first`.. of `shape` (uint32)."""
+  flat = jnp.zeros(shape, _U32)
+  for d in range(first, len(shape)):
+    flat = flat + lax.broadcasted_iota(_U32, shape, d) * _U32(math.prod(shape[d + 1:]))
+  return flat
+
+
 def _rows_bits(key, bit_width, shape):
   """Partitionable threefry's bits with the flat counter moved on by key[2] rows of `shape`."""
   if math.prod(shape) >= 2 ** 32:
     raise _too_many(math.prod(shape))
-  flat = jnp.zeros(shape, _U32)
-  for d in range(len(shape)):
-    flat = flat + lax.broadcasted_iota(_U32, shape, d) * _U32(math.prod(shape[d + 1:]))
-  return _counter_bits(key, bit_width, shape, flat, math.prod(shape[1:]) if shape else 1)
+  return _counter_bits(key, bit_width, shape, _flat(shape), math.prod(shape[1:]) if shape else 1)
 
 
 def _ring_bits(C: int):
@@ -134,9 +139,8 @@ def _ring_bits(C: int):
     c, i = n // 2, key[3]
     t = lax.broadcasted_iota(_U32, shape, 1)
     position = jnp.where(t < c, i * c + t, (2 * C - 1 - i) * c + t - c)
-    flat = lax.broadcasted_iota(_U32, shape, 0) * _U32(row) + position * _U32(rest)
-    for d in range(2, len(shape)):
-      flat = flat + lax.broadcasted_iota(_U32, shape, d) * _U32(math.prod(shape[d + 1:]))
+    flat = (lax.broadcasted_iota(_U32, shape, 0) * _U32(row) + position * _U32(rest)
+            + _flat(shape, 2))
     return _counter_bits(key, bit_width, shape, flat, row)
   return bits
 

@@ -263,7 +263,7 @@ def _ring_bwd(axis, gather, res, dout):
 
   kg, vg = bw.grouped_kv(k), bw.grouped_kv(v)
   dqs = tuple(bw._zeros(qa.shape, qa, kg, dout) for qa in qs)
-  dk = dv = bw._zeros(kg.shape, q, kg, dout)  # travel with their chunk
+  dk = dv = bw._zeros(kg.shape, q, kg, dout)  # the ring's travel with their chunk
   if gather:  # every chunk pair's gradients here, each summed on its owner (reduce-scatter)
     k_all, v_all = _gathered(kg, axis), _gathered(vg, axis)
 

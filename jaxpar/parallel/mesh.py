@@ -116,6 +116,13 @@ def context_attention(choice: str, pipelined: bool) -> str:
   return choice
 
 
+def ring_in_pipeline(p: int) -> str:
+  """Why `parallel.context_attention=ring` is refused on a pipeline of `p` stages."""
+  return (f"parallel.context_attention=ring cannot run inside a pipeline (pipeline={p}): its "
+          "stages run different branches in one tick, where the ring's permutes would wait on "
+          "each other; use allgather or auto")
+
+
 def _context_problems(cfg: Config, c: int, p: int, decoder: bool) -> list[str]:
   """What a context axis of `c` needs: a decoder (ring attention), a sequence of 2c equal chunks,
   the all-gather form under a pipeline."""
@@ -127,9 +134,7 @@ def _context_problems(cfg: Config, c: int, p: int, decoder: bool) -> list[str]:
     problems.append(f"model.seq_len={mc.seq_len} is not divisible by 2 x context={2 * c} "
                     "(each device holds two equal chunks of the sequence)")
   if p > 1 and cfg.parallel.context_attention == "ring":
-    problems.append(f"parallel.context_attention=ring cannot run inside a pipeline "
-                    f"(pipeline={p}): its stages run different branches in one tick, where the "
-                    "ring's permutes would wait on each other; use allgather or auto")
+    problems.append(ring_in_pipeline(p))
   return problems
 
 

@@ -166,9 +166,7 @@ class Trainer:
                         "context-parallel attention (ModelDef.seq_split; jaxpar's decoders have "
                         "it); use context=1")
     if self.schedule is not None and self.context_attention == "ring":
-      raise ConfigError("parallel.context_attention=ring cannot run inside a pipeline: its "
-                        "stages run different branches in one tick, where the ring's permutes "
-                        "would wait on each other; use allgather or auto")
+      raise ConfigError(jmesh.ring_in_pipeline(self.schedule.stages))
 
   # -- state -------------------------------------------------------------------------------------
 
