@@ -281,7 +281,8 @@ class Checkpointer:
       with contextlib.suppress(Exception) if self._failed else contextlib.nullcontext():
         self._mgr.close()
       self._mgr, self._writing = None, False
-      logging.getLogger("absl").removeFilter(self._held)
+      if not self._failed:  # a failed save's threads may still log after close: keep them quiet
+        logging.getLogger("absl").removeFilter(self._held)
       if self._held.first and not self._failed:  # held back, yet no save failed: say it
         print(f"note: orbax reported while saving: {self._held.first.splitlines()[0][:300]}",
               file=sys.stderr)
