@@ -50,10 +50,19 @@ def test_the_cache_folder_comes_from_the_key_then_the_environment_then_the_user_
   assert cli.compile_cache_dir(cfg, {**gpu, "HOME": "/h"}) == os.path.join(
       os.path.expanduser("~"), ".cache", "jaxpar", "xla")
   assert cli.compile_cache_dir(cfg, {**gpu, "XDG_CACHE_HOME": "/x"}) == "/x/jaxpar/xla"
-  # On the CPU the default is off (XLA:CPU's reload of a cached executable is not sound for
-  # every program); a named folder is used there too.
-  assert cli.compile_cache_dir(cfg, {"JAX_PLATFORMS": "cpu", "XDG_CACHE_HOME": "/x"}) is None
-  assert cli.compile_cache_dir(cfg, {"JAX_PLATFORMS": "cpu", "JAXPAR_COMPILE_CACHE": "/p"}) == "/p"
+  # On by default on the CPU too, except for the layout whose reload XLA:CPU crashes on, which
+  # gets none there even when a folder is named (and keeps it on an accelerator).
+  cpu = {"JAX_PLATFORMS": "cpu"}
+  assert cli.compile_cache_dir(cfg, {**cpu, "XDG_CACHE_HOME": "/x"}) == "/x/jaxpar/xla"
+  assert cli.compile_cache_dir(cfg, {**cpu, "JAXPAR_COMPILE_CACHE": "/p"}) == "/p"
+  for zero, kept in [(1, True), (2, True), (3, False)]:
+    circular = config.load(None, ["parallel.schedule=circular", "parallel.virtual_stages=2",
+                                  f"parallel.zero_stage={zero}", "train.compile_cache=/c"])
+    assert cli.compile_cache_dir(circular, {**cpu, "XDG_CACHE_HOME": "/x"}) == (
+        "/c" if kept else None), zero
+    assert cli.compile_cache_dir(circular, {**gpu, "XDG_CACHE_HOME": "/x"}) == "/c"
+  gpipe = config.load(None, ["parallel.schedule=gpipe", "parallel.zero_stage=3"])
+  assert cli.compile_cache_dir(gpipe, {**cpu, "XDG_CACHE_HOME": "/x"}) == "/x/jaxpar/xla"
   assert cli.compile_cache_dir(cfg, {"JAX_COMPILATION_CACHE_DIR": "/j"}) == "/j"
   assert cli.compile_cache_dir(cfg, {"JAXPAR_COMPILE_CACHE": "/p", "XDG_CACHE_HOME": "/x"}) == "/p"
   assert cli.compile_cache_dir(cfg, {"JAXPAR_COMPILE_CACHE": "off"}) is None

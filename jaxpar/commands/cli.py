@@ -79,17 +79,30 @@ def _cpu_only(environ) -> bool:
                  for d in importlib.metadata.distributions())
 
 
+def cpu_reload_unsound(cfg: jconfig.Config) -> str | None:
+  """Why XLA:CPU must not reload this run's step from a cache, or None.
+
+  XLA:CPU's reload of a cached executable is not sound for every program: with JAX 0.10.2 a
+  circular-schedule ZeRO-3 step loaded from the cache aborts (`Unexpected number of
+  participants: all gather`) or segfaults in a fresh process, where compiling it afresh runs; the
+  circular schedule at ZeRO-1 and -2, GPipe and 1F1B at ZeRO-3 and the plain layouts reload fine.
+  """
+  if cfg.parallel.schedule == "circular" and cfg.parallel.zero_stage == 3:
+    return "XLA:CPU crashes reloading a cached circular-schedule ZeRO-3 step"
+  return None
+
+
 def compile_cache_dir(cfg: jconfig.Config, environ=None) -> str | None:
   """The folder of the persistent compilation cache train.compile_cache asks for; None when off.
 
-  The default is on for accelerators and off on the CPU: XLA:CPU's reload of a cached executable
-  is not sound for every program (with JAX 0.10.2 a circular-schedule ZeRO-3 step loaded from the
-  cache crashed the process with a segfault or heap corruption, where compiling it afresh ran),
-  so there a cache is used only when a folder is named (the key, JAX_COMPILATION_CACHE_DIR or
-  JAXPAR_COMPILE_CACHE)."""
+  The key names a folder or 'off'; else JAX_ENABLE_COMPILATION_CACHE=false turns it off, and
+  JAX_COMPILATION_CACHE_DIR, then JAXPAR_COMPILE_CACHE, then ~/.cache/jaxpar/xla name it. On the
+  CPU a layout whose reload is not sound (`cpu_reload_unsound`) gets none, whatever is named."""
   environ = os.environ if environ is None else environ
   value = cfg.train.compile_cache
   if value == CACHE_OFF:
+    return None
+  if _cpu_only(environ) and cpu_reload_unsound(cfg):
     return None
   if value:
     return os.path.abspath(os.path.expanduser(value))
@@ -100,8 +113,6 @@ def compile_cache_dir(cfg: jconfig.Config, environ=None) -> str | None:
   if environ.get(ENV_COMPILE_CACHE):  # a site-wide default, e.g. a shared filesystem's folder
     value = environ[ENV_COMPILE_CACHE]
     return None if value == CACHE_OFF else os.path.abspath(os.path.expanduser(value))
-  if _cpu_only(environ):
-    return None
   base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
   return os.path.join(base, "jaxpar", "xla")
 
@@ -120,6 +131,10 @@ def use_compile_cache(cfg: jconfig.Config) -> str | None:
   path = compile_cache_dir(cfg)
   # Imported here: launch_local.py imports this module and must not wait for JAX to load.
   import jax
+  why = cpu_reload_unsound(cfg) if _cpu_only(os.environ) else None
+  if why and cfg.train.compile_cache != CACHE_OFF:
+    print(f"note: no compilation cache for this run ({why}); the step compiles afresh",
+          file=sys.stderr)
   if path is None:
     jax.config.update("jax_enable_compilation_cache", False)
     return None
