@@ -9,6 +9,8 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import numpy as np
@@ -260,7 +262,6 @@ LAUNCH = str(ROOT / "scripts" / "launch_local.py")
 def test_a_stopped_peer_is_named_by_the_others_and_the_launcher_and_the_run_resumes(tmp_path):
   import re
   import signal
-  import time
   metrics, out_file, err_file = tmp_path / "m.jsonl", tmp_path / "out", tmp_path / "err"
   cmd = [sys.executable, LAUNCH, "--processes", "2", "--", TRAIN, "--mesh", "2x1x1",
          "--workdir", str(tmp_path / "wd"), "--metrics-file", str(metrics), "--no-progress",
@@ -289,7 +290,8 @@ def test_a_stopped_peer_is_named_by_the_others_and_the_launcher_and_the_run_resu
   assert p.returncode == 1 and elapsed < 40, (elapsed, err)
   assert "[0] jaxpar watchdog: process 0 of 2 made no progress for" in err
   rank0 = [l for l in err.splitlines() if l.startswith("[0] error:")]
-  assert len(rank0) == 1 and "error: process 1 stopped answering: step " in rank0[0], err
+  # (stopped in a save, it is named sooner, by the wait on the peers, in its own words)
+  assert len(rank0) == 1 and "error: process 1 stopped answering: " in rank0[0], err
   launcher = [l for l in err.splitlines() if l.startswith("[launcher] process 1 stopped answering")]
   assert len(launcher) == 1 and "said process 0" in launcher[0], err
   assert "process 1 ended with signal SIGKILL" in launcher[0], err
@@ -313,3 +315,48 @@ def test_the_new_keys_are_checked_and_the_watchdog_limits_default_as_documented(
   assert distributed.stall_limits(tc, 9.0) == (900.0, 90.0)
   tc = config.load(None, ["train.stall_timeout=5", "train.first_step_timeout=50"]).train
   assert distributed.stall_limits(tc, 9.0) == (50.0, 5.0)
+
+
+class _Store:
+  """The coordination service's key-value store as the watchdog reads it: process 0's counter
+  moves at every read, process 1's only when `alive`."""
+
+  def __init__(self, alive: bool):
+    self.alive, self.n = alive, 0
+
+  def key_value_dir_get(self, prefix):
+    self.n += 1
+    return [(f"{prefix}0", str(self.n)), (f"{prefix}1", str(self.n if self.alive else 1))]
+
+
+@pytest.mark.parametrize("alive, peers", [(False, True), (True, True), (False, False)])
+def test_a_peer_silent_during_a_save_ends_the_process_before_the_limit(monkeypatch, capfd,
+                                                                      alive, peers):
+  """A save meets the other processes at orbax's barriers, where a dead peer is noticed only at the
+  coordination service's heartbeat timeout: a wait marked `peers` asks who still answers after 2 s
+  and ends at once, naming the silent one; a live peer, or a wait not so marked, goes on."""
+  from jaxpar.parallel import distributed
+  monkeypatch.setattr(distributed, "_BEAT_S", 0.05)
+  exits = []
+
+  def exit_(code):
+    exits.append(code)
+    raise SystemExit(code)
+  monkeypatch.setattr(distributed.os, "_exit", exit_)
+  dog = distributed.Watchdog(config.load(None, ["train.stall_timeout=600"]).train, 1)
+  dog.pi, dog.pc, dog.client, dog._stop = 0, 2, _Store(alive), threading.Event()
+  dog.first_step_done()
+  dog.at(7, "saving the checkpoint of step 7", slow=True, peers=peers)
+  threading.Timer(3.0, dog._stop.set).start()
+  t0 = time.monotonic()
+  if alive or not peers:
+    dog._watch()  # returns when stopped, 3 s in
+    assert exits == []
+    return
+  with pytest.raises(SystemExit):
+    dog._watch()
+  assert exits == [1] and time.monotonic() - t0 < 3.0
+  err = capfd.readouterr().err.strip().splitlines()
+  assert err[-1].startswith("error: process 1 stopped answering: step 7 made no progress for 2 s "
+                            "(its heartbeat stood still for 0.15 s while this process waited in: "
+                            "saving the checkpoint of step 7); stopping"), err[-1]

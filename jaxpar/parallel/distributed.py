@@ -266,6 +266,36 @@ def initialize(spec: Spec) -> None:
                            f"{time.monotonic() - t0:.0f} s: {first}") from e
   finally:
     done.set()
+  start_heartbeat(spec.process_id)
+
+
+_heartbeat: threading.Thread | None = None
+
+
+def start_heartbeat(me: int) -> None:
+  """From now to the process's end, a thread bumps this process's counter in the coordination
+  service's store every second (once per process; no-op for one process). It beats whatever the
+  main thread waits in, so a counter that stands still means a stopped or dead process, never one
+  between its watched parts or past its loop (e.g. closing its checkpointer, or at JAX's shutdown
+  barrier, while another still saves). `me`: this process's index."""
+  global _heartbeat
+  from jax._src import distributed as jd  # the coordination service's key-value store
+  client = jd.global_state.client
+  if _heartbeat is not None or client is None:
+    return
+
+  def beat():
+    n = 0
+    while True:
+      n += 1
+      try:
+        client.key_value_set(f"{_ALIVE}{me}", str(n), allow_overwrite=True)
+      except Exception:  # the coordinator is gone: the watchdog names it
+        return
+      time.sleep(_BEAT_S)
+
+  _heartbeat = threading.Thread(target=beat, name="jaxpar-alive", daemon=True)
+  _heartbeat.start()
 
 
 def is_main() -> bool:
@@ -403,6 +433,8 @@ def exit_if_peer_lost(e: BaseException) -> None:
 STALL_SENTENCE = "stopped answering"  # launch_local.py reads the process named before it
 _ALIVE = "jaxpar/alive/"  # key prefix in JAX's coordination service: one counter per process
 _BEAT_S = 1.0  # how often each process's thread bumps its counter
+_PEERS_AFTER_S = 2.0  # a wait marked `peers` asks who still answers once it is this long
+_PROBE_EVERY_S = 5.0  # and again this often, as does any wait past the steady limit
 
 
 def stall_limits(tc, measured_gap: float | None) -> tuple[float, float]:
@@ -428,20 +460,25 @@ class Watchdog:
   does not move while this one watches (3 s) is stopped or gone. A process blocked in the same
   collective as this one still counts, so only the culprit is named. With one process there is
   nobody else to blame and the sentence says where the step waits.
+
+  A wait marked `peers` (a checkpoint's save: orbax meets the other processes at barriers of the
+  coordination service, which notices a dead process only at its heartbeat timeout) asks who still
+  answers after 2 s of it rather than at the limit, and ends the process as soon as one does not.
   """
 
   def __init__(self, tc, log_every: int):
     self.tc, self.log_every = tc, log_every
     self.step, self.what, self.t = 0, "starting", time.monotonic()
-    self.first, self.slow = True, False
+    self.first, self.slow, self.peers = True, False, False
     self.longest = 0.0  # the longest wait between two calls after the first step
 
-  def at(self, step: int, what: str, slow: bool = False) -> None:
-    """The loop moved on to `what` for `step`; `slow` (saves, evals): the first-step limit."""
+  def at(self, step: int, what: str, slow: bool = False, peers: bool = False) -> None:
+    """The loop moved on to `what` for `step`; `slow` (saves, evals): the first-step limit;
+    `peers`: a wait on the other processes outside the step's collectives (see the class)."""
     now = time.monotonic()
     if not self.first and not self.slow:
       self.longest = max(self.longest, now - self.t)
-    self.step, self.what, self.slow, self.t = step, what, slow, now
+    self.step, self.what, self.slow, self.peers, self.t = step, what, slow, peers, now
 
   def first_step_done(self) -> None:
     self.first = False
@@ -462,8 +499,7 @@ class Watchdog:
     if self.pc > 1:
       from jax._src import distributed as jd  # the coordination service's key-value store
       self.client = jd.global_state.client
-    if self.client is not None:
-      self._threads.append(threading.Thread(target=self._beat, name="jaxpar-alive", daemon=True))
+      start_heartbeat(self.pi)  # (initialize started it; not where a user joined them)
     self._threads.append(threading.Thread(target=self._watch, name="jaxpar-watchdog", daemon=True))
     for t in self._threads:
       t.start()
@@ -471,15 +507,6 @@ class Watchdog:
 
   def __exit__(self, *exc):
     self._stop.set()
-
-  def _beat(self) -> None:
-    n = 0
-    while not self._stop.wait(_BEAT_S):
-      n += 1
-      try:
-        self.client.key_value_set(f"{_ALIVE}{self.pi}", str(n), allow_overwrite=True)
-      except Exception:  # the coordinator is gone: the watch names it
-        return
 
   def _counters(self) -> dict[int, str]:
     return {int(k.rsplit("/", 1)[1]): v for k, v in self.client.key_value_dir_get(_ALIVE)}
@@ -501,20 +528,23 @@ class Watchdog:
     return result[0] if result else None
 
   def _watch(self) -> None:
-    probed = 0.0  # when the others were last asked during a long save, eval or first step
+    probed = 0.0  # when the others were last asked during a long wait
     while not self._stop.wait(0.5):
       t = self.t
       waited, limit = time.monotonic() - t, self.limit()
       if waited > limit:
         self._fire(waited, limit, self._who())
       # A save, an evaluation or the first step may take long, but not because a peer stopped:
-      # past the steady limit, check the others every 10 s and stop once one is silent.
+      # past the steady limit (a wait on the peers: past 2 s), check the others every 5 s and
+      # stop once one is silent.
       later = stall_limits(self.tc, self.longest)[1]
-      if self.client is not None and waited > later and time.monotonic() - probed > 10:
+      early = self.peers and waited > _PEERS_AFTER_S
+      if (self.client is not None and (early or waited > later)
+          and time.monotonic() - probed > _PROBE_EVERY_S):
         who = self._who()
         probed = time.monotonic()
         if who and self.t == t:
-          self._fire(time.monotonic() - t, later, who)
+          self._fire(time.monotonic() - t, later, who, silent=waited <= later)
 
   def _who(self) -> str | None:
     """'process 1' (or 'processes 1, 3') that stopped answering; None if all answer or alone."""
@@ -527,7 +557,9 @@ class Watchdog:
       return "process" + ("es " if len(silent) > 1 else " ") + ", ".join(map(str, silent))
     return None
 
-  def _fire(self, waited: float, limit: float, who: str | None) -> None:
+  def _fire(self, waited: float, limit: float, who: str | None, silent: bool = False) -> None:
+    """Stacks, then one sentence, then exit 1. `silent`: ended before the limit, because `who`
+    stopped answering during a wait on the peers."""
     import faulthandler
     step, what = self.step, self.what
     sys.stdout.flush()
@@ -536,7 +568,12 @@ class Watchdog:
           file=sys.stderr, flush=True)
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     limit_text = f"the watchdog's limit of {limit:.0f} s"
-    if who:
+    if who and silent:
+      text = (f"{who} {STALL_SENTENCE}: step {step} made no progress for {waited:.0f} s (its "
+              f"heartbeat stood still for {3 * _BEAT_S:g} s while this process waited in: "
+              f"{what}); stopping, the last complete checkpoint is kept: restart all processes "
+              f"to resume")
+    elif who:
       text = (f"{who} {STALL_SENTENCE}: step {step} made no progress for {waited:.0f} s "
               f"({limit_text}); stopping, the last complete checkpoint is kept: restart all "
               f"processes to resume")
