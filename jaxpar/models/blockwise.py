@@ -137,7 +137,6 @@ def fold_grad(q, k, v, do, lse, delta, q_start, k_start, scale: float):
   """One block pair's (dq (B, G, R, bq, K), dk (B, G, bk, K), dv (B, G, bk, K)), float32, from
   the pair's scores recomputed against the saved lse; do (B, G, R, bq, K), delta (B, G, R, bq)."""
   B, G, R, bq, K = q.shape
-  bk = k.shape[2]
   s, mask = _scores(q, k, q_start, k_start, scale)
   p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0.0)  # (B, G, R, bq, bk): the probabilities
   rows = lambda x: x.reshape(B, G, R * bq, x.shape[-1])  # the R heads' rows stacked
