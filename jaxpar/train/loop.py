@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import threading
 import time
 from typing import Any
 
@@ -32,6 +33,10 @@ from jaxpar.train import hooks
 from jaxpar.train import metrics as jmetrics
 from jaxpar.train import preemption
 from jaxpar.train.step import Trainer
+
+# A restart reads its checkpoint beside a compile that has run this long (a cache miss); a load
+# from the cache is over sooner, and the read follows it.
+_OVERLAP_AFTER_S = 0.5
 
 
 @dataclasses.dataclass
@@ -104,23 +109,28 @@ class _Run:
     self.batch_sharding = trainer.batch_sharding(abstract)
     self.start = self.step = start or 0
     self.watchdog = jdistributed.Watchdog(cfg.train, cfg.train.log_every)
+    restored = None
+    if start is None:
+      # A new state is created asynchronously: waiting for it here keeps its computation out of
+      # the compile's time (on CPU they share the cores, so the wait costs no wall time).
+      self.state, _, skipped = self._initial_state(None)
+      jax.block_until_ready(self.state)
+    compiled = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-      if start is not None:
-        # A resume reads its checkpoint beside the step's tracing and compile (Python and XLA
-        # on this thread, orbax's reads and tensorstore's threads on that one): a restart's
-        # time to its first step is the longer of the two, not their sum.
-        restored = pool.submit(self._initial_state, start)
-      else:
-        # A new state is created asynchronously: waiting for it here keeps its computation out
-        # of the compile's time (on CPU they share the cores, so the wait costs no wall time).
-        restored = None
-        self.state, _, skipped = self._initial_state(None)
-        jax.block_until_ready(self.state)
       self.watchdog.at(self.start, "compiling the step", slow=True)
       try:
         with jmetrics.compile_watch() as self.compile_info, self.watchdog:
-          self.compiled = trainer.lower(abstract).compile()
+          lowered = trainer.lower(abstract)
+          if start is not None:
+            # A resume reads its checkpoint (orbax's Python on that thread, tensorstore's reads
+            # on its own) beside XLA's compile, which leaves the GIL free, not beside the
+            # tracing, which holds it; and only once the compile has run for a while: a load from
+            # the cache takes a fraction of a second, and a read beside it would only slow it.
+            restored = pool.submit(self._restore_after, compiled, start)
+          self.compiled = lowered.compile()
+          compiled.set()
       finally:
+        compiled.set()
         if restored is not None:  # its failure (one sentence) first: it is the run's to report
           self.state, _, skipped = restored.result()
     self.peak, self.peak_source = jmetrics.peak_flops_per_device()
@@ -136,6 +146,11 @@ class _Run:
     self.evaluation = hooks.Evaluation(cfg, trainer, evals, abstract, self.batch_sharding, split)
     self.profiling = hooks.Profiling(profile_steps, os.path.join(workdir, "profile"))
     self.stopped: dict = {}
+
+  def _restore_after(self, compiled: threading.Event, start: int) -> tuple[Any, int, int]:
+    """The checkpoint of `start`, read once the compile is done or has run for 0.5 s."""
+    compiled.wait(_OVERLAP_AFTER_S)
+    return self._initial_state(start)
 
   def _initial_state(self, start: int | None) -> tuple[Any, int, int]:
     """(state, step, skipped steps): resumed, from a Hugging Face folder, or initialised."""
