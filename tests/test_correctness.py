@@ -19,7 +19,7 @@ def first_grads(cfg, shape, data):
   return jax.device_get(m["grads"])
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 2), (2, 1, 2)], ids=["1x1x2", "2x1x2"])
+@pytest.mark.parametrize("shape", [(2, 1, 2)], ids=["2x1x2"])  # a pipeline beside data
 def test_fp16_loss_scale_reaches_the_backward(shape):
   """float16 compute: a loss scale must make the gradients closer to float32's (it keeps small
   cotangents from flushing to zero), under a pipeline as on one device (there the same shape's

