@@ -420,7 +420,7 @@ def test_a_damaged_read_prints_nothing_after_its_sentence(two_checkpoints, tmp_p
 
 def test_a_checkpoint_that_cannot_be_written_is_one_sentence_and_exit_1(tmp_path):
   workdir, metrics = tmp_path / "wd", tmp_path / "m.jsonl"
-  train(workdir, metrics, 4, "checkpoint.every=2")
+  run(workdir, "checkpoint.every=2", steps=4)  # (in process, on 8x1x1: any mesh resumes it)
   # Writes past 20 KB of a file fail (EFBIG; SIGXFSZ ignored), like a full disk's: a step's data
   # files are ~100 KB. A compilation cache entry would fail too, and JAX warns of that.
   limited = ["bash", "-c", 'ulimit -f 20 && trap "" XFSZ && exec "$@"', "train",
