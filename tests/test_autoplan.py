@@ -169,7 +169,10 @@ def test_a_long_sequence_adds_context_layouts_with_the_rings_bytes():
   lays, _ = autoplan.layouts(cfg, 8)
   meshes = {lay.mesh for lay in lays}
   assert {(4, 1, 1, 2), (2, 2, 1, 2), (1, 1, 1, 8), (2, 1, 1, 4)} <= meshes
-  assert not any(len(lay.mesh) == 4 and lay.mesh[2] > 1 for lay in lays)  # no pipeline with it
+  # with a pipeline too, each schedule (attention all-gathered inside the stages)
+  piped = {(lay.mesh, lay.schedule) for lay in lays if len(lay.mesh) == 4 and lay.mesh[2] > 1}
+  assert {((1, 1, 2, 4), s) for s in autoplan.SCHEDULES} <= piped
+  assert {((2, 1, 2, 2), s) for s in autoplan.SCHEDULES} <= piped
   assert str(autoplan.Layout((2, 2, 1, 2), 3)) == "2x2x1x2 ZeRO-3"
   # the ring's bytes on top of data x tensor parallelism's: (6C - 4) x one device's k chunk
   facts = autoplan.ModelFacts.of(cfg)
@@ -182,3 +185,12 @@ def test_a_long_sequence_adds_context_layouts_with_the_rings_bytes():
   dp = 2 * (2 - 1) / 2 * facts.n_params / 2 * 4
   assert ring["link_bytes"] == pytest.approx(mc.n_layers * 8 * kv + tp + dp)
   assert plain["compute_s"] == pytest.approx(ring["compute_s"])
+  # under a pipeline: the all-gather form's 6 (C - 1) x per layer of the device's stage, beside
+  # the executor's activations and cotangents
+  lay = autoplan.Layout((1, 1, 2, 4), 0, "gpipe", 2, 1)
+  gathered = autoplan.estimate(cfg, lay, facts, rates)
+  kv4 = 8 * mc.seq_len / 4 * mc.d_model * 4  # B x T/C x G K x float32
+  act = 8 * mc.seq_len / 4 * mc.d_model * 4
+  _, ticks = autoplan._bubble(lay)
+  assert gathered["link_bytes"] == pytest.approx(mc.n_layers / 2 * 6 * 3 * kv4
+                                                 + 2 * ticks * act / 2)

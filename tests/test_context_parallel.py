@@ -45,15 +45,17 @@ def batches(n=STEPS, seq=T, seed=0):
 
 
 def train(cfg, shape, data):
-  """Per-step losses, the first step's gradients and the final parameters."""
+  """Per-step losses, the first step's gradients and the final parameters (the model's layer
+  order: the circular schedule keeps its stack in stage order)."""
   t = trainer(cfg, shape)
   state = t.init(cfg.train.seed)
   losses, grads = [], None
+  back = None if t.layer_order is None else np.argsort(t.layer_order)
   for b in data:
     state, m = t.step(state, {"tokens": b})
     losses.append(float(m["loss"]))
-    grads = jax.device_get(m["grads"]) if grads is None else grads
-  return np.array(losses), grads, jax.device_get(state["params"])
+    grads = jax.device_get(t._reorder(m["grads"], back)) if grads is None else grads
+  return np.array(losses), grads, jax.device_get(t.to_logical(state)["params"])
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +71,10 @@ LAYOUTS = [("gpt", (1, 1, 1, 4), ["train.grad_accum=2"]),
            ("gpt", (1, 1, 2, 2), ["parallel.schedule=1f1b", "parallel.microbatches=2"]),
            ("llama", (1, 1, 1, 4), []),
            ("llama", (2, 2, 1, 2), ["parallel.zero_stage=3", "model.n_kv_heads=2"]),
-           ("llama", (1, 1, 2, 2), ["parallel.context_attention=allgather"])]
+           # the circular schedule (its stage-order stack): 4 layers, 2 virtual stages
+           ("llama", (1, 1, 2, 2), ["parallel.context_attention=allgather", "model.n_layers=4",
+                                    "parallel.schedule=circular", "parallel.virtual_stages=2",
+                                    "parallel.microbatches=2"])]
 
 
 @pytest.mark.parametrize("kind,shape,extra", LAYOUTS,
@@ -77,7 +82,7 @@ LAYOUTS = [("gpt", (1, 1, 1, 4), ["train.grad_accum=2"]),
                               for k, s, e in LAYOUTS])
 def test_context_split_matches_one_device(references, kind, shape, extra):
   data, refs = references
-  if "model.n_kv_heads=2" in extra:  # grouped-query attention: its own one-device reference
+  if "model.n_kv_heads=2" in extra or "model.n_layers=4" in extra:  # its own one-device reference
     ref = train(make_cfg(kind, *extra), (1, 1, 1), data)
   else:
     ref = refs[kind]

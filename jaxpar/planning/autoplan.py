@@ -3,7 +3,8 @@
 `auto` enumerates every layout the model's shapes allow (mesh.check), compiles each on simulated
 devices through plan.plan, rejects those whose peak bytes per device exceed the memory budget and
 ranks the rest by predicted step time. A decoder whose sequence is long (CONTEXT_MIN_SEQ on) is
-also tried with the sequence split over a context axis C > 1 (ring attention; without a pipeline):
+also tried with the sequence split over a context axis C > 1 (ring attention; under a pipeline,
+its all-gather form):
 
   step = model FLOPs per device / device FLOP/s / (1 - bubble) + link bytes / link bandwidth
 
@@ -66,14 +67,14 @@ class Layout:
 
 def factorisations(n: int, contexts: Sequence[int] = (1,)) -> list[tuple[int, ...]]:
   """Every (data, model, pipeline) with data * model * pipeline = n, data-major; then, for each
-  context c > 1 in `contexts` that divides n, every (d, m, 1, c) with d * m * c = n (a context
-  axis runs without a pipeline)."""
-  out = [(d, m, n // (d * m)) for d in range(n, 0, -1) if n % d == 0
-         for m in range(1, n // d + 1) if (n // d) % m == 0]
+  context c > 1 in `contexts` that divides n, every (d, m, p, c) with d * m * p * c = n."""
+  def three(k: int) -> list[tuple[int, int, int]]:
+    return [(d, m, k // (d * m)) for d in range(k, 0, -1) if k % d == 0
+            for m in range(1, k // d + 1) if (k // d) % m == 0]
+  out: list[tuple[int, ...]] = list(three(n))
   for c in contexts:
     if c > 1 and n % c == 0:
-      k = n // c
-      out += [(d, k // d, 1, c) for d in range(k, 0, -1) if k % d == 0]
+      out += [(*dmp, c) for dmp in three(n // c)]
   return out
 
 
@@ -205,9 +206,10 @@ def estimate(cfg: Config, lay: Layout, facts: ModelFacts, r: Rates,
   mc = cfg.model
   if mc.kind != "cnn":
     act = cfg.train.batch_size / d * mc.seq_len / c * mc.d_model * _compute_dtype_bytes(cfg)
-    if c > 1:  # the K/V ring (models/ring.py): per layer (6c - 4) x one device's k chunk
+    if c > 1:  # models/ring.py, per layer of the device's stage: the K/V ring sends (6c - 4) x
+      # one device's k chunk; under a pipeline its all-gather form, 6 (c - 1) x
       kv = act / mc.d_model * (mc.n_kv_heads or mc.n_heads) * (mc.d_model // mc.n_heads) / m
-      sent += mc.n_layers * (6 * c - 4) * kv
+      sent += mc.n_layers / p * (6 * (c - 1) if p > 1 else 6 * c - 4) * kv
     if m > 1:  # Megatron: two all-reduces forward and two backward per layer
       sent += 4 * (mc.n_layers / p) * 2 * (m - 1) / m * act
     if p > 1:  # the executor sends one activation and one cotangent per tick
