@@ -19,6 +19,7 @@ import pytest
 
 from jaxpar import config
 from jaxpar.commands import cli
+from jaxpar.parallel import distributed
 from jaxpar.train import loop
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -306,7 +307,6 @@ def test_a_stopped_peer_is_named_by_the_others_and_the_launcher_and_the_run_resu
 
 
 def test_the_new_keys_are_checked_and_the_watchdog_limits_default_as_documented():
-  from jaxpar.parallel import distributed
   for bad, message in (("train.spike_factor=0.5", "must be 0 .* or above 1"),
                        ("train.spike_steps=0", "must be positive"),
                        ("train.stall_timeout=-1", "must not be negative")):
@@ -339,7 +339,6 @@ def test_a_peer_silent_during_a_save_ends_the_process_before_the_limit(monkeypat
   coordination service's heartbeat timeout: a wait marked `peers` asks who still answers after 2 s
   (0.5 s here, and beats of 0.05 s) and ends at once, naming the silent one; a live peer, or a wait
   not so marked, goes on."""
-  from jaxpar.parallel import distributed
   monkeypatch.setattr(distributed, "_BEAT_S", 0.05)
   monkeypatch.setattr(distributed, "_PEERS_AFTER_S", 0.5)
   exits = []

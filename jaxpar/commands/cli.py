@@ -85,7 +85,8 @@ def cpu_reload_unsound(cfg: jconfig.Config) -> str | None:
   XLA:CPU's reload of a cached executable is not sound for every program: with JAX 0.10.2 a
   circular-schedule ZeRO-3 step loaded from the cache aborts (`Unexpected number of
   participants: all gather`) or segfaults in a fresh process, where compiling it afresh runs; the
-  circular schedule at ZeRO-1 and -2, GPipe and 1F1B at ZeRO-3 and the plain layouts reload fine.
+  circular schedule at ZeRO-1, GPipe and 1F1B at ZeRO-3 and the plain layouts reload fine (ZeRO-2
+  under the circular schedule was not tried: it keeps its cache).
   """
   if cfg.parallel.schedule == "circular" and cfg.parallel.zero_stage == 3:
     return "XLA:CPU crashes reloading a cached circular-schedule ZeRO-3 step"

@@ -269,34 +269,6 @@ def initialize(spec: Spec) -> None:
   start_heartbeat(spec.process_id)
 
 
-_heartbeat: threading.Thread | None = None
-
-
-def start_heartbeat(me: int) -> None:
-  """From now to the process's end, a thread bumps this process's counter in the coordination
-  service's store every second (once per process; no-op for one process). It beats whatever the
-  main thread waits in, so a counter that stands still means a stopped or dead process, never one
-  between its watched parts or past its loop (e.g. closing its checkpointer, or at JAX's shutdown
-  barrier, while another still saves). `me`: this process's index."""
-  global _heartbeat
-  from jax._src import distributed as jd  # the coordination service's key-value store
-  client = jd.global_state.client
-  if _heartbeat is not None or client is None:
-    return
-
-  def beat():
-    n = 0
-    while True:
-      n += 1
-      try:
-        client.key_value_set(f"{_ALIVE}{me}", str(n), allow_overwrite=True)
-      except Exception:  # the coordinator is gone: the watchdog names it
-        return
-      time.sleep(_BEAT_S)
-
-  _heartbeat = threading.Thread(target=beat, name="jaxpar-alive", daemon=True)
-  _heartbeat.start()
-
 
 def is_main() -> bool:
   """Whether this is process 0, the one that logs and writes metrics."""
@@ -437,6 +409,35 @@ _PEERS_AFTER_S = 2.0  # a wait marked `peers` asks who still answers once it is 
 _PROBE_EVERY_S = 5.0  # and again this often, as does any wait past the steady limit
 
 
+_heartbeat: threading.Thread | None = None
+
+
+def start_heartbeat(me: int) -> None:
+  """From now to the process's end, a thread bumps this process's counter in the coordination
+  service's store every second (once per process; no-op for one process). It beats whatever the
+  main thread waits in, so a counter that stands still means a stopped or dead process, never one
+  between its watched parts or past its loop (e.g. closing its checkpointer, or at JAX's shutdown
+  barrier, while another still saves). `me`: this process's index."""
+  global _heartbeat
+  from jax._src import distributed as jd  # the coordination service's key-value store
+  client = jd.global_state.client
+  if _heartbeat is not None or client is None:
+    return
+
+  def beat():
+    n = 0
+    while True:
+      n += 1
+      try:
+        client.key_value_set(f"{_ALIVE}{me}", str(n), allow_overwrite=True)
+      except Exception:  # the coordinator is gone: the watchdog names it
+        return
+      time.sleep(_BEAT_S)
+
+  _heartbeat = threading.Thread(target=beat, name="jaxpar-alive", daemon=True)
+  _heartbeat.start()
+
+
 def stall_limits(tc, measured_gap: float | None) -> tuple[float, float]:
   """(limit for the first step, which holds the compile and the first collectives; limit for
   later steps): train.first_step_timeout and train.stall_timeout, or where 0 their defaults,
@@ -492,17 +493,16 @@ class Watchdog:
     """Starts watching (again): the compile is watched, and then the loop."""
     import jax
     self._stop = threading.Event()
-    self._threads: list[threading.Thread] = []
     self.t = time.monotonic()
     self.pi, self.pc = jax.process_index(), jax.process_count()
     self.client = None
     if self.pc > 1:
       from jax._src import distributed as jd  # the coordination service's key-value store
       self.client = jd.global_state.client
-      start_heartbeat(self.pi)  # (initialize started it; not where a user joined them)
-    self._threads.append(threading.Thread(target=self._watch, name="jaxpar-watchdog", daemon=True))
-    for t in self._threads:
-      t.start()
+      # initialize() started it; processes joined by the user's own jax.distributed.initialize
+      # start it here
+      start_heartbeat(self.pi)
+    threading.Thread(target=self._watch, name="jaxpar-watchdog", daemon=True).start()
     return self
 
   def __exit__(self, *exc):

@@ -128,9 +128,8 @@ class _Run:
             # the cache takes a fraction of a second, and a read beside it would only slow it.
             restored = pool.submit(self._restore_after, compiled, start)
           self.compiled = lowered.compile()
-          compiled.set()
       finally:
-        compiled.set()
+        compiled.set()  # (a failed compile too: the read goes on, and its failure comes first)
         if restored is not None:  # its failure (one sentence) first: it is the run's to report
           self.state, _, skipped = restored.result()
     self.peak, self.peak_source = jmetrics.peak_flops_per_device()
