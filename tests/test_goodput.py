@@ -98,12 +98,27 @@ def test_plan_then_train_compiles_the_step_once_and_another_topology_misses(tmp_
   assert rows[-1]["final"] and rows[-1]["compile_cache"] == "hit"
   assert "compile_cache: hit" in r.stdout
 
-  # Another topology (one device) is never served the 2-device program.
+  # Loaded from JAX's cache, the step is not kept in jaxpar's step store: on XLA:CPU such an
+  # executable serializes without its kernels (executables.save).
+  store = cache / "jaxpar-steps"
+  assert rows[0]["step_store"] == "miss" and not list(store.glob("*.pkl"))
+
+  # Another topology (one device) is never served the 2-device program. Compiled here, its step
+  # is kept in the store, and a new run of it loads the step without tracing: the same losses.
   m1 = tmp_path / "m1.jsonl"
   r = run([TRAIN, "--mesh", "1x1x1", "--workdir", str(tmp_path / "wd1"), "--metrics-file",
            str(m1), "--no-progress", *common])
   assert r.returncode == 0, r.stderr
-  assert records(m1)[-1]["compile_cache"] == "miss"
+  first = records(m1)
+  assert first[-1]["compile_cache"] == "miss" and first[-1]["step_store"] == "miss"
+  assert len(list(store.glob("*.pkl"))) == 1
+  m2 = tmp_path / "m2.jsonl"
+  r = run([TRAIN, "--mesh", "1x1x1", "--workdir", str(tmp_path / "wd2"), "--metrics-file",
+           str(m2), "--no-progress", *common])
+  assert r.returncode == 0, r.stderr
+  again = records(m2)
+  assert again[0]["step_store"] == "hit" and again[0]["compile_cache"] == "hit"
+  assert [x["loss"] for x in again[:-1]] == [x["loss"] for x in first[:-1]]
 
 
 def test_a_cache_folder_that_cannot_be_made_is_one_sentence(tmp_path):
@@ -364,3 +379,73 @@ def test_a_peer_silent_during_a_save_ends_the_process_before_the_limit(monkeypat
   assert re.match(r"error: process 1 stopped answering: step 7 made no progress for \d+ s \(its "
                   r"heartbeat stood still for 0\.15 s while this process waited in: saving the "
                   r"checkpoint of step 7\); stopping", err[-1]), err[-1]
+
+
+def test_the_step_store_keys_what_makes_the_step_and_a_bad_entry_is_a_miss(tmp_path, monkeypatch):
+  import shutil
+
+  import jaxpar
+  from jaxpar.planning import plan
+  from jaxpar.train import executables
+  from jaxpar.parallel import mesh as jmesh
+
+  def prepare(cfg, shape):
+    return loop.Trainer(cfg, jmesh.make(shape, jax.devices()[:shape[0]]), loop.build_model(cfg))
+
+  cfg = config.load(None, TINY)
+  trainer = prepare(cfg, (2, 1, 1))
+  batch = plan._batch_abstract(cfg)
+  sharding = trainer.batch_sharding(batch)
+  key = executables.fingerprint(trainer, batch, sharding)
+  assert executables.fingerprint(prepare(cfg, (2, 1, 1)), batch, sharding) == key
+  # Whatever makes another step makes another key: a setting, the batch, the devices, the
+  # XLA flags, jaxpar's own files.
+  other = prepare(config.override(cfg, train={"lr": 0.5}), (2, 1, 1))
+  assert executables.fingerprint(other, batch, sharding) != key
+  bigger = plan._batch_abstract(config.override(cfg, train={"batch_size": 8}))
+  assert executables.fingerprint(trainer, bigger, trainer.batch_sharding(bigger)) != key
+  four = prepare(cfg, (4, 1, 1))
+  assert executables.fingerprint(four, batch, four.batch_sharding(batch)) != key
+  with monkeypatch.context() as m:
+    m.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=true")
+    assert executables.fingerprint(trainer, batch, sharding) != key
+  with monkeypatch.context() as m:
+    pkg = tmp_path / "pkg"
+    shutil.copytree(os.path.dirname(jaxpar.__file__), pkg,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    m.setattr(jaxpar, "__file__", str(pkg / "__init__.py"))
+    m.setattr(executables, "_source", None)
+    copy = executables.fingerprint(trainer, batch, sharding)
+    (pkg / "train" / "optim.py").write_text((pkg / "train" / "optim.py").read_text() + "#\n")
+    m.setattr(executables, "_source", None)
+    assert executables.fingerprint(trainer, batch, sharding) != copy
+
+  # A step compiled here (not loaded from JAX's cache) comes back onto its mesh's devices, in
+  # the mesh's order (here not the devices' own), and computes the same numbers.
+  devs = [jax.devices()[i] for i in (2, 0, 3, 1)]
+  trainer = loop.Trainer(cfg, jmesh.make((2, 2, 1), devs), loop.build_model(cfg))
+  sharding = trainer.batch_sharding(batch)
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    compiled = trainer.lower(batch).compile()
+  finally:
+    jax.config.update("jax_enable_compilation_cache", True)
+  where = str(tmp_path / "store")
+  assert executables.save(where, key, compiled)
+  args, devs = (trainer.abstract_state, batch), list(trainer.mesh.devices.flat)
+  loaded = executables.load(where, key, args, devs)
+  tokens = np.random.default_rng(0).integers(0, 256, batch["tokens"].shape, np.int32)
+  data = {"tokens": jax.device_put(tokens, sharding["tokens"])}
+  ran = [c(trainer.init(0), data) for c in (compiled, loaded)]
+  assert float(ran[0][1]["loss"]) == float(ran[1][1]["loss"])
+  for a, b in zip(*(jax.tree_util.tree_leaves(r[0]["params"]) for r in ran)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # Anything else is a miss, never an error: another key, other arguments, a damaged entry.
+  assert executables.load(where, "0" * 64, args, devs) is None
+  assert executables.load(where, key, (trainer.abstract_state, bigger), devs) is None
+  assert executables.load(where, key, (trainer.abstract_state, {"x": batch["tokens"]}),
+                          devs) is None
+  path = pathlib.Path(where) / f"{key}.pkl"
+  path.write_bytes(path.read_bytes()[:1000])
+  assert executables.load(where, key, args, devs) is None
+  assert [p.name for p in pathlib.Path(where).iterdir()] == [path.name]  # nothing half-written

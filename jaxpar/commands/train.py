@@ -45,7 +45,8 @@ def main(argv=None) -> int:
     log = print if distributed.is_main() else (lambda *a, **k: None)
     try:
       result = loop.run(cfg, shape, args.workdir, args.metrics_file, args.steps,
-                        progress=not args.no_progress, log=log, profile_steps=window)
+                        progress=not args.no_progress, log=log, profile_steps=window,
+                        step_store=True)
     except Exception as e:
       distributed.exit_if_peer_lost(e)
       raise

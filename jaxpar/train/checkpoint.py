@@ -245,15 +245,17 @@ class Checkpointer:
     """orbax's metadata of the stored state: per leaf its shape, dtype and saved sharding."""
     return self._have(step).item_metadata(step)[STATE]
 
-  def restore(self, step: int, abstract_state: dict, shardings: dict) -> tuple[dict, dict]:
-    """(state, extra) of `step`, each leaf read straight into its shards under `shardings`.
+  def restore(self, step: int, abstract_state: dict, shardings: dict,
+              metadata: Any = None) -> tuple[dict, dict]:
+    """(state, extra) of `step`, each leaf read straight into its shards under `shardings`
+    (`metadata`: `self.metadata(step)` where the caller has read it already).
 
     `abstract_state` gives shapes and dtypes, `shardings` the new run's layout: any mesh, any ZeRO
     stage, optimizer state possibly in pinned host memory. orbax reads only the slices each
     device holds, whatever layout the checkpoint was saved from, so nothing is gathered.
     """
     mgr = self._have(step)
-    check_shapes(mgr.item_metadata(step)[STATE], abstract_state)
+    check_shapes(mgr.item_metadata(step)[STATE] if metadata is None else metadata, abstract_state)
     target = jax.tree_util.tree_map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
     args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target),
@@ -434,7 +436,7 @@ def restore_state(ckpt: Checkpointer, step: int, layout) -> tuple[dict, dict]:
     shardings["loss_scale"] = {k: NamedSharding(layout.mesh, P()) for k in abstract["loss_scale"]}
   elif layout.dynamic_scale and not stored:
     del abstract["loss_scale"], shardings["loss_scale"]
-  state, extra = ckpt.restore(step, abstract, shardings)
+  state, extra = ckpt.restore(step, abstract, shardings, meta)
   if layout.dynamic_scale and not stored:
     state["loss_scale"] = jax.device_put(precision.init_scale(layout.cfg.precision),
                                          layout.state_shardings["loss_scale"])

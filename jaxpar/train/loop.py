@@ -29,6 +29,7 @@ from jaxpar.models.registry import build_model  # noqa: F401 (the model a run bu
 from jaxpar.parallel import distributed as jdistributed
 from jaxpar.parallel import mesh as jmesh
 from jaxpar.train import checkpoint as jckpt
+from jaxpar.train import executables
 from jaxpar.train import hooks
 from jaxpar.train import metrics as jmetrics
 from jaxpar.train import preemption
@@ -92,7 +93,8 @@ class _Run:
   and mesh, the resume point, the data, then the workdir, the state and the compiled step."""
 
   def __init__(self, cfg: Config, trainer: Trainer, workdir: str, start: int | None,
-               metrics_file: str | None, progress: bool, log, profile_steps, split):
+               metrics_file: str | None, progress: bool, log, profile_steps, split,
+               step_store: bool = False):
     self.cfg, self.trainer, self.split, self.log = cfg, trainer, split, log
     self.is_main = jax.process_index() == 0
     pi, pc = jax.process_index(), jax.process_count()
@@ -115,23 +117,39 @@ class _Run:
       # the compile's time (on CPU they share the cores, so the wait costs no wall time).
       self.state, _, skipped = self._initial_state(None)
       jax.block_until_ready(self.state)
+    # The stored executable of this very step (executables.py), which needs no tracing.
+    store = executables.folder() if step_store else None
+    key = executables.fingerprint(trainer, abstract, self.batch_sharding) if store else None
     compiled = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
       self.watchdog.at(self.start, "compiling the step", slow=True)
       try:
         with jmetrics.compile_watch() as self.compile_info, self.watchdog:
-          lowered = trainer.lower(abstract)
+          self.compiled = (executables.load(store, key, (trainer.abstract_state, abstract),
+                                            list(trainer.mesh.devices.flat))
+                           if key else None)
+          stored = self.compiled is not None
+          if not stored:
+            lowered = trainer.lower(abstract)
           if start is not None:
             # A resume reads its checkpoint (orbax's Python on that thread, tensorstore's reads
             # on its own) beside XLA's compile, which leaves the GIL free, not beside the
             # tracing, which holds it; and only once the compile has run for a while: a load from
             # the cache takes a fraction of a second, and a read beside it would only slow it.
             restored = pool.submit(self._restore_after, compiled, start)
-          self.compiled = lowered.compile()
+          if not stored:
+            with jmetrics.compile_watch() as step_compile:
+              self.compiled = lowered.compile()
       finally:
         compiled.set()  # (a failed compile too: the read goes on, and its failure comes first)
         if restored is not None:  # its failure (one sentence) first: it is the run's to report
           self.state, _, skipped = restored.result()
+    if key:
+      self.compile_info["step_store"] = "hit" if stored else "miss"
+      if stored:
+        self.compile_info["compile_cache"] = "hit"
+      elif step_compile["compile_cache"] == "miss":  # compiled here, not loaded: see save
+        executables.save(store, key, self.compiled)
     self.peak, self.peak_source = jmetrics.peak_flops_per_device()
     logger = jmetrics.MetricsLogger(workdir if self.is_main else None,
                                     metrics_file if self.is_main else None, cfg.train.steps,
@@ -242,9 +260,11 @@ class _Run:
 
 def run(cfg: Config, mesh_shape: tuple[int, ...], workdir: str, metrics_file: str | None = None,
         steps: int | None = None, progress: bool = True, log=print,
-        profile_steps: tuple[int, int] | None = None) -> RunResult:
+        profile_steps: tuple[int, int] | None = None, step_store: bool = False) -> RunResult:
   """Trains `cfg` on `mesh_shape` for `steps` total steps (default train.steps) in `workdir`;
-  `profile_steps` (A, B) traces steps A..B into <workdir>/profile (analysis/profile.py)."""
+  `profile_steps` (A, B) traces steps A..B into <workdir>/profile (analysis/profile.py).
+  `step_store` loads a step compiled by an earlier run of the same key without tracing it
+  (executables.py; only where jaxpar's code runs unchanged, as in `jaxpar-train`)."""
   split = jmetrics.TimeSplit()
   if steps is not None:
     cfg = jconfig.override(cfg, train={"steps": steps})
@@ -259,7 +279,8 @@ def run(cfg: Config, mesh_shape: tuple[int, ...], workdir: str, metrics_file: st
         f"{cfg.train.steps}")
     return RunResult(steps=start, losses={}, state=None, trainer=trainer,
                      summary={"steps": start, "steps_this_run": 0, "nothing_to_train": True})
-  r = _Run(cfg, trainer, workdir, start, metrics_file, progress, log, profile_steps, split)
+  r = _Run(cfg, trainer, workdir, start, metrics_file, progress, log, profile_steps, split,
+           step_store)
   loop_t0 = time.perf_counter()
   split.seconds["compile"] = r.compile_info["compile_s"]
   split.seconds["startup"] = loop_t0 - split.t0 - r.compile_info["compile_s"]
