@@ -105,6 +105,11 @@ def _path(where: str, key: str) -> str:
   return os.path.join(where, f"{key}.pkl")
 
 
+def stored(where: str, key: str) -> bool:
+  """Whether an entry is kept under `key` (`load` says whether it loads)."""
+  return os.path.isfile(_path(where, key))
+
+
 def load(where: str, key: str, args_abstract: Any,
          devices: list) -> jax.stages.Compiled | None:
   """The step stored under `key`, loaded onto `devices` (its mesh's, in the mesh's order), or

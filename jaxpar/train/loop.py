@@ -125,17 +125,21 @@ class _Run:
       self.watchdog.at(self.start, "compiling the step", slow=True)
       try:
         with jmetrics.compile_watch() as self.compile_info, self.watchdog:
+          if start is not None and key and executables.stored(store, key):
+            # Loading a stored step needs no tracing and leaves the GIL mostly free: the
+            # checkpoint is read beside it.
+            restored = pool.submit(self._initial_state, start)
           self.compiled = (executables.load(store, key, (trainer.abstract_state, abstract),
                                             list(trainer.mesh.devices.flat))
                            if key else None)
           stored = self.compiled is not None
           if not stored:
             lowered = trainer.lower(abstract)
-          if start is not None:
-            # A resume reads its checkpoint (orbax's Python on that thread, tensorstore's reads
-            # on its own) beside XLA's compile, which leaves the GIL free, not beside the
+          if start is not None and restored is None:
+            # Else a resume reads its checkpoint (orbax's Python on that thread, tensorstore's
+            # reads on its own) beside XLA's compile, which leaves the GIL free, not beside the
             # tracing, which holds it; and only once the compile has run for a while: a load from
-            # the cache takes a fraction of a second, and a read beside it would only slow it.
+            # JAX's cache takes a fraction of a second, and a read beside it would only slow it.
             restored = pool.submit(self._restore_after, compiled, start)
           if not stored:
             with jmetrics.compile_watch() as step_compile:
