@@ -122,6 +122,8 @@ def test_plan_then_train_compiles_the_step_once_and_another_topology_misses(tmp_
   again = records(m1)
   assert again[0]["step_store"] == "hit" and again[0]["compile_cache"] == "hit"
   assert [(x["step"], x["loss"]) for x in again[:-1]] == [(3, first[2]["loss"])]
+  # The restart takes the peak FLOP/s the run measured (from the checkpoint), not a new matmul.
+  assert again[-1]["peak_flops_per_device"] == first[-1]["peak_flops_per_device"]
 
 
 def test_a_cache_folder_that_cannot_be_made_is_one_sentence(tmp_path):
@@ -450,3 +452,15 @@ def test_the_step_store_keys_what_makes_the_step_and_a_bad_entry_is_a_miss(tmp_p
   path.write_bytes(path.read_bytes()[:1000])
   assert executables.load(where, key, args, devs) is None
   assert [p.name for p in pathlib.Path(where).iterdir()] == [path.name]  # nothing half-written
+
+
+def test_a_peak_measured_for_the_same_devices_is_taken_and_another_is_measured(monkeypatch):
+  from jaxpar.analysis import devices
+  monkeypatch.setattr(devices, "_PEAK_CACHE", {})
+  peak, source = devices.peak_flops_per_device()
+  record = devices.peak_record(peak * 3, source)
+  monkeypatch.setattr(devices, "_PEAK_CACHE", {})
+  assert devices.peak_flops_per_device(record) == (peak * 3, source)
+  monkeypatch.setattr(devices, "_PEAK_CACHE", {})
+  elsewhere = {**record, "for": record["for"][:2] + [record["for"][2] + 1] + record["for"][3:]}
+  assert devices.peak_flops_per_device(elsewhere)[0] != peak * 3

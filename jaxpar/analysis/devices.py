@@ -81,13 +81,35 @@ def _best_matmul_flops(device: Any, n: int, dtype: Any, repeats: int) -> float:
 _PEAK_CACHE: dict[tuple[str, str, int], tuple[float, str]] = {}
 
 
-def peak_flops_per_device() -> tuple[float, str]:
+def _cpu_model() -> str:
+  """The host CPU's model name ("" where /proc/cpuinfo is not there)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return ""
+
+
+def _measured_for(device: Any, n_local: int) -> list:
+  """What a measured peak holds for: the device kind and count, and on a CPU host its core count
+  and model."""
+  what = [device.platform, device.device_kind, n_local]
+  return what + [os.cpu_count(), _cpu_model()] if device.platform == "cpu" else what
+
+
+def peak_flops_per_device(earlier: dict | None = None) -> tuple[float, str]:
   """(peak FLOP/s of one local device, where the number came from); measured once per process.
 
   GPUs use the datasheet dense bf16 peak for their `device_kind`; unknown accelerators are
   measured with a bf16 matmul. On CPU the host peak is measured with an fp32 1024³ matmul on one
   device (XLA:CPU spreads it over all cores) and divided by the number of local CPU devices,
   because simulated devices (--xla_force_host_platform_device_count) share those cores.
+  `earlier` is what `peak_record` made of a measurement by an earlier process of the same run (a
+  restart reads it from its checkpoint): where it was measured for the same devices it is taken
+  as it is, so MFU stays comparable across restarts and the matmul (0.1 s on a CPU) is not run.
   """
   import jax
   import jax.numpy as jnp
@@ -97,22 +119,31 @@ def peak_flops_per_device() -> tuple[float, str]:
   if key in _PEAK_CACHE:
     return _PEAK_CACHE[key]
   kind = device.device_kind
-  if device.platform == "cpu":
+  match = sheet_for(kind) if device.platform != "cpu" else None
+  if match is None and earlier and earlier.get("for") == _measured_for(device, n_local):
+    peak, source = float(earlier["flops"]), str(earlier["source"])
+  elif device.platform == "cpu":
     host = _best_matmul_flops(device, 1024, jnp.float32, repeats=5)
     peak = host / n_local
     devices = f"{n_local} local device" + ("s" if n_local > 1 else "")
     source = (f"measured fp32 matmul peak of this CPU host ({host / 1e9:.1f} GFLOP/s) divided "
               f"among {devices}: {peak / 1e9:.1f} GFLOP/s per device")
+  elif match is not None:
+    peak = match[1].flops
+    source = f"datasheet dense bf16 peak of {kind}: {peak / 1e12:.0f} TFLOP/s"
   else:
-    match = sheet_for(kind)
-    if match is not None:
-      peak = match[1].flops
-      source = f"datasheet dense bf16 peak of {kind}: {peak / 1e12:.0f} TFLOP/s"
-    else:
-      peak = _best_matmul_flops(device, 8192, jnp.bfloat16, repeats=10)
-      source = f"measured bf16 matmul peak of this {kind}: {peak / 1e12:.1f} TFLOP/s"
+    peak = _best_matmul_flops(device, 8192, jnp.bfloat16, repeats=10)
+    source = f"measured bf16 matmul peak of this {kind}: {peak / 1e12:.1f} TFLOP/s"
   _PEAK_CACHE[key] = (peak, source)
   return peak, source
+
+
+def peak_record(peak: float, source: str) -> dict:
+  """A peak as a checkpoint keeps it, for `peak_flops_per_device(earlier=...)` of a restart."""
+  import jax
+  device = jax.local_devices()[0]
+  n_local = len(jax.local_devices(backend=device.platform))
+  return {"flops": peak, "source": source, "for": _measured_for(device, n_local)}
 
 
 @dataclasses.dataclass(frozen=True)

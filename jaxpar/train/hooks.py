@@ -227,9 +227,10 @@ class Checkpointing:
   processes, a save waits until no process has one in flight (preemption.StopVote)."""
 
   def __init__(self, cfg: jconfig.Config, ckpt: jckpt.Checkpointer, trainer, batches,
-               vote: preemption.StopVote | None, split: jmetrics.TimeSplit):
+               vote: preemption.StopVote | None, split: jmetrics.TimeSplit,
+               peak: dict | None = None):
     self.cfg, self.ckpt, self.trainer, self.batches = cfg, ckpt, trainer, batches
-    self.vote, self.split = vote, split
+    self.vote, self.split, self.peak = vote, split, peak  # peak: metrics.peak_record
 
   def due(self, step: int) -> bool:
     every = self.cfg.checkpoint.every
@@ -241,7 +242,8 @@ class Checkpointing:
       if self.vote is not None:
         self.vote.until_saved(self.ckpt.saving)  # orbax starts a save by waiting for the last
       extra = {"data": self.batches.state(), "config": jconfig.to_dict(self.cfg),
-               "skipped_steps": skipped, "model": jckpt.model_origin(self.trainer.model)}
+               "skipped_steps": skipped, "model": jckpt.model_origin(self.trainer.model),
+               **({"peak_flops": self.peak} if self.peak else {})}
       self.ckpt.maybe_save(step, self.trainer.to_logical(state), extra, force=True)
 
   def finish(self, step: int, watchdog: Watchdog) -> None:

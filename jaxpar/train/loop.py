@@ -111,7 +111,7 @@ class _Run:
     self.batch_sharding = trainer.batch_sharding(abstract)
     self.start = self.step = start or 0
     self.watchdog = jdistributed.Watchdog(cfg.train, cfg.train.log_every)
-    restored = None
+    restored, self.earlier_peak = None, None
     if start is None:
       # A new state is created asynchronously: waiting for it here keeps its computation out of
       # the compile's time (on CPU they share the cores, so the wait costs no wall time).
@@ -154,7 +154,7 @@ class _Run:
         self.compile_info["compile_cache"] = "hit"
       elif step_compile["compile_cache"] == "miss":  # compiled here, not loaded: see save
         executables.save(store, key, self.compiled)
-    self.peak, self.peak_source = jmetrics.peak_flops_per_device()
+    self.peak, self.peak_source = jmetrics.peak_flops_per_device(self.earlier_peak)
     logger = jmetrics.MetricsLogger(workdir if self.is_main else None,
                                     metrics_file if self.is_main else None, cfg.train.steps,
                                     is_main=self.is_main, progress=progress and self.is_main)
@@ -180,6 +180,7 @@ class _Run:
       with jckpt.readable(self.ckpt.directory, start, jckpt.RESUME_REMEDY):
         state, extra = trainer.restore(self.ckpt, start)  # the loss scale's entry may differ
       self.batches.restore(extra["data"])
+      self.earlier_peak = extra.get("peak_flops")  # the peak the run measured before
       self.log(f"resuming from the checkpoint at step {start} in {self.ckpt.directory}")
       return trainer.from_logical(state), start, int(extra.get("skipped_steps", 0))
     if cfg.model.init_from:  # a new run from a Hugging Face model folder's weights
@@ -291,7 +292,8 @@ def run(cfg: Config, mesh_shape: tuple[int, ...], workdir: str, metrics_file: st
   peer_lost = False
   with preemption.StopFlag() as stop, jax.set_mesh(trainer.mesh), r.watchdog:
     stopping = hooks.Stopping(stop, trainer.mesh, jax.process_count())
-    checkpoints = hooks.Checkpointing(cfg, r.ckpt, trainer, r.batches, stopping.vote, split)
+    checkpoints = hooks.Checkpointing(cfg, r.ckpt, trainer, r.batches, stopping.vote, split,
+                                      jmetrics.peak_record(r.peak, r.peak_source))
     try:
       r.train(checkpoints, stopping)
     except Exception as e:

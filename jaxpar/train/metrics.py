@@ -34,9 +34,14 @@ def mfu(tokens_per_sec: float, flops_per_token: float, peak_flops_per_device: fl
   return tokens_per_sec * flops_per_token / (peak_flops_per_device * n_devices)
 
 
-def peak_flops_per_device() -> tuple[float, str]:
+def peak_flops_per_device(earlier: dict | None = None) -> tuple[float, str]:
   """(peak FLOP/s of one local device, where the number came from): see jaxpar.analysis.devices."""
-  return devices.peak_flops_per_device()
+  return devices.peak_flops_per_device(earlier)
+
+
+def peak_record(peak: float, source: str) -> dict:
+  """What a checkpoint keeps of the peak, for a restart: see jaxpar.analysis.devices."""
+  return devices.peak_record(peak, source)
 
 
 def device_peak_memory_bytes() -> int | None:
