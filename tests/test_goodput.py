@@ -464,3 +464,20 @@ def test_a_peak_measured_for_the_same_devices_is_taken_and_another_is_measured(m
   monkeypatch.setattr(devices, "_PEAK_CACHE", {})
   elsewhere = {**record, "for": record["for"][:2] + [record["for"][2] + 1] + record["for"][3:]}
   assert devices.peak_flops_per_device(elsewhere)[0] != peak * 3
+
+
+def test_a_watch_of_this_threads_compiles_ignores_a_compile_beside_it():
+  from jaxpar.train import metrics
+  import jax.numpy as jnp
+  step = jax.jit(lambda x: x * 3.25)
+  step.lower(jnp.ones(7)).compile()  # now in the session's persistent cache
+  for this_thread, seen in ((True, "hit"), (False, "miss")):
+    jax.clear_caches()  # what this process compiled: only the persistent cache has it now
+    size = 11 if this_thread else 13  # a program no cache holds, compiled beside the watch
+    beside = threading.Thread(target=lambda: jax.jit(lambda x: x - 7.5).lower(
+        jnp.ones(size)).compile())
+    with metrics.compile_watch(this_thread=this_thread) as watch:
+      beside.start()
+      beside.join()
+      step.lower(jnp.ones(7)).compile()
+    assert watch["compile_cache"] == seen

@@ -142,7 +142,7 @@ class _Run:
             # JAX's cache takes a fraction of a second, and a read beside it would only slow it.
             restored = pool.submit(self._restore_after, compiled, start)
           if not stored:
-            with jmetrics.compile_watch() as step_compile:
+            with jmetrics.compile_watch(this_thread=True) as step_compile:  # not the read's
               self.compiled = lowered.compile()
       finally:
         compiled.set()  # (a failed compile too: the read goes on, and its failure comes first)

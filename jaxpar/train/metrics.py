@@ -62,16 +62,21 @@ _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
 
 @contextlib.contextmanager
-def compile_watch():
+def compile_watch(this_thread: bool = False):
   """Times the compiles in the block and says whether they came from the persistent cache.
 
   Yields a dict that holds, after the block, `compile_s` (wall seconds) and `compile_cache`:
   "hit" when every program compiled in the block was loaded from the cache, "miss" when any was
   compiled, "off" when no cache was looked up (JAX looks only with a cache folder set).
+  `this_thread` counts only this thread's compiles (JAX reports each in the compiling thread),
+  not those of a thread beside the block.
   """
   asked, hits = [0], [0]
+  me = threading.get_ident()
 
   def listen(event: str, **kwargs) -> None:
+    if this_thread and threading.get_ident() != me:
+      return
     asked[0] += event == _CACHE_ASKED
     hits[0] += event == _CACHE_HIT
 
