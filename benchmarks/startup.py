@@ -13,7 +13,8 @@ folder (train.compile_cache) that nothing else uses:
 The cold run compiles the step and keeps it in jaxpar's step store (jaxpar/train/executables.py),
 so the restart and the new run load it without tracing (`step_store: hit`); their `compile_s` is
 that load. With --repeat N each case runs N times, each from a fresh cache, and the ratios are
-the medians (with their ranges).
+the medians (with their ranges). Each run starts once the files of the one before are on disk
+(os.sync), as a restart after a preemption does.
 Each run is stopped by SIGTERM once its first metrics row is written (it saves a checkpoint and
 exits 0, as a preempted job does). Time to first step is wall seconds from starting the process
 to that row (Python and JAX start-up, data, state, compile and one step); compile time is the
@@ -73,6 +74,7 @@ def one_run(mesh: str, args: list[str], workdir: str, cache: str, metrics: str) 
   cmd = [sys.executable, TRAIN, "--mesh", mesh, "--steps", str(STEPS), "--workdir", workdir,
          "--metrics-file", metrics, "--no-progress", *args, f"train.compile_cache={cache}",
          "train.log_every=1"]
+  os.sync()  # the previous run's checkpoint on disk first: its write-back is not this run's time
   before = resource.getrusage(resource.RUSAGE_CHILDREN)
   t0 = time.perf_counter()
   p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
