@@ -111,7 +111,26 @@ class _Run:
     self.batch_sharding = trainer.batch_sharding(abstract)
     self.start = self.step = start or 0
     self.watchdog = jdistributed.Watchdog(cfg.train, cfg.train.log_every)
-    restored, self.earlier_peak = None, None
+    skipped = self._state_and_step(start, abstract, step_store)
+    self.peak, self.peak_source = jmetrics.peak_flops_per_device(self.earlier_peak)
+    logger = jmetrics.MetricsLogger(workdir if self.is_main else None,
+                                    metrics_file if self.is_main else None, cfg.train.steps,
+                                    is_main=self.is_main, progress=progress and self.is_main)
+    self.rate = hooks.Throughput(resumed=self.start > 0)
+    self.report = hooks.Reporter(cfg, trainer, logger, self.rate, self.compile_info, self.peak,
+                                 skipped)
+    self.rollbacks = hooks.Rollbacks(cfg, self.report, split, log) if self.report.guard else None
+    if self.rollbacks:
+      self.rollbacks.keep(self.start, self.state)
+    self.evaluation = hooks.Evaluation(cfg, trainer, evals, abstract, self.batch_sharding, split)
+    self.profiling = hooks.Profiling(profile_steps, os.path.join(workdir, "profile"))
+    self.stopped: dict = {}
+
+  def _state_and_step(self, start: int | None, abstract: Any, step_store: bool) -> int:
+    """Makes the state (new, or read from the checkpoint of `start`) and the compiled step
+    (loaded from the step store, or traced and compiled), each while the other is under way where
+    that gains time; returns the skipped steps the state's run counted."""
+    trainer, restored, self.earlier_peak = self.trainer, None, None
     if start is None:
       # A new state is created asynchronously: waiting for it here keeps its computation out of
       # the compile's time (on CPU they share the cores, so the wait costs no wall time).
@@ -154,19 +173,7 @@ class _Run:
         self.compile_info["compile_cache"] = "hit"
       elif step_compile["compile_cache"] == "miss":  # compiled here, not loaded: see save
         executables.save(store, key, self.compiled)
-    self.peak, self.peak_source = jmetrics.peak_flops_per_device(self.earlier_peak)
-    logger = jmetrics.MetricsLogger(workdir if self.is_main else None,
-                                    metrics_file if self.is_main else None, cfg.train.steps,
-                                    is_main=self.is_main, progress=progress and self.is_main)
-    self.rate = hooks.Throughput(resumed=self.start > 0)
-    self.report = hooks.Reporter(cfg, trainer, logger, self.rate, self.compile_info, self.peak,
-                                 skipped)
-    self.rollbacks = hooks.Rollbacks(cfg, self.report, split, log) if self.report.guard else None
-    if self.rollbacks:
-      self.rollbacks.keep(self.start, self.state)
-    self.evaluation = hooks.Evaluation(cfg, trainer, evals, abstract, self.batch_sharding, split)
-    self.profiling = hooks.Profiling(profile_steps, os.path.join(workdir, "profile"))
-    self.stopped: dict = {}
+    return skipped
 
   def _restore_after(self, compiled: threading.Event, start: int) -> tuple[Any, int, int]:
     """The checkpoint of `start`, read once the compile is done or has run for 0.5 s."""
