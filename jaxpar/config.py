@@ -101,6 +101,10 @@ class TrainConfig:
   # (a folder or off), else $XDG_CACHE_HOME/jaxpar/xla (~/.cache/jaxpar/xla); "off" = no cache;
   # else the folder to use.
   compile_cache: str = ""
+  # The most the cache keeps, in GiB, for JAX's programs and again for jaxpar's stored steps
+  # (<cache>/jaxpar-steps): past it the least recently used entries go first. 0 = no bound (JAX's
+  # own default); $JAX_COMPILATION_CACHE_MAX_SIZE, where set, bounds JAX's programs instead.
+  compile_cache_max_gb: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -172,7 +176,7 @@ _FRACTION = ("train.min_lr_ratio",)  # in [0, 1]: the final learning rate, a fra
 _NON_NEGATIVE = ("model.n_kv_heads", "model.max_positions", "parallel.microbatches", "train.warmup_steps", "train.weight_decay", "train.clip_norm",
                  "checkpoint.every", "data.max_bytes", "train.lr", "data.workers",
                  "train.eval_every", "train.eval_steps", "train.max_rollbacks",
-                 "train.stall_timeout", "train.first_step_timeout")
+                 "train.stall_timeout", "train.first_step_timeout", "train.compile_cache_max_gb")
 
 
 def _field_types(cls) -> dict[str, Any]:

@@ -125,6 +125,20 @@ def test_plan_then_train_compiles_the_step_once_and_another_topology_misses(tmp_
   # The restart takes the peak FLOP/s the run measured (from the checkpoint), not a new matmul.
   assert again[-1]["peak_flops_per_device"] == first[-1]["peak_flops_per_device"]
 
+  # A bound (train.compile_cache_max_gb) reaches both: a run of another step under a bound of
+  # 0.2 MiB, below one stored step (~1 MiB), keeps its own step alone in the store, and the
+  # programs the earlier runs left in JAX's cache (0.7 MiB) are cut to the bound as it starts.
+  kept, bound = list(store.glob("*.pkl")), int(0.0002 * 2**30)
+  before = {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in cache.glob("*-cache")}
+  assert sum(size for size, _ in before.values()) > bound
+  r = run([TRAIN, "--mesh", "1x1x1", "--workdir", str(tmp_path / "wd2"), "--no-progress",
+           *common, "train.lr=0.5", "train.compile_cache_max_gb=0.0002"])
+  assert r.returncode == 0, r.stderr
+  assert len(list(store.glob("*.pkl"))) == 1 and not set(store.glob("*.pkl")) & set(kept)
+  left = [size for p, (size, mtime) in before.items()  # not written again by this run
+          if p.exists() and p.stat().st_mtime_ns == mtime]
+  assert left and sum(left) <= bound
+
 
 def test_a_cache_folder_that_cannot_be_made_is_one_sentence(tmp_path):
   blocker = tmp_path / "file"
@@ -449,6 +463,9 @@ def test_the_step_store_keys_what_makes_the_step_and_a_bad_entry_is_a_miss(tmp_p
   assert executables.load(where, key, (trainer.abstract_state, {"x": batch["tokens"]}),
                           devs) is None
   path = pathlib.Path(where) / f"{key}.pkl"
+  os.utime(path, (1e9, 1e9))
+  assert executables.load(where, key, args, devs) is not None
+  assert path.stat().st_mtime > time.time() - 600  # a load marks its entry used
   path.write_bytes(path.read_bytes()[:1000])
   assert executables.load(where, key, args, devs) is None
   assert [p.name for p in pathlib.Path(where).iterdir()] == [path.name]  # nothing half-written
@@ -481,3 +498,49 @@ def test_a_watch_of_this_threads_compiles_ignores_a_compile_beside_it():
       beside.join()
       step.lower(jnp.ones(7)).compile()
     assert watch["compile_cache"] == seen
+
+
+def test_the_cache_and_the_step_store_keep_at_most_their_bound_least_recently_used_first(
+    tmp_path, monkeypatch):
+  from jaxpar.train import executables
+  where = tmp_path / "store"
+  where.mkdir()
+  now = time.time()
+  for i, (key, size) in enumerate((("a", 400), ("b", 300), ("c", 200), ("d", 100))):
+    (where / f"{key}.pkl").write_bytes(b"x" * size)
+    os.utime(where / f"{key}.pkl", (now - 1000 + i, now - 1000 + i))  # a is the least recent
+  (where / ".d.left.tmp").write_bytes(b"x")  # a save killed two days ago, and one under way
+  os.utime(where / ".d.left.tmp", (now - 2 * 86400, now - 2 * 86400))
+  (where / ".c.now.tmp").write_bytes(b"x")
+  assert executables.prune(str(where), 500) == ["a", "b"]  # 1000 -> 300: the oldest go first
+  assert sorted(p.name for p in where.iterdir()) == [".c.now.tmp", "c.pkl", "d.pkl"]
+  os.utime(where / "d.pkl", (now - 5000, now - 5000))  # d least recently used, but kept
+  assert executables.prune(str(where), 50, keep="d") == ["c"]
+  assert executables.prune(str(where), 50, keep="d") == []  # d alone is over the bound: stays
+  assert sorted(p.name for p in where.iterdir()) == [".c.now.tmp", "d.pkl"]
+
+  # JAX's programs: train.compile_cache_max_gb (10 GiB by default) bounds them too, kept as a run
+  # starts, unless 0 or the environment (JAX's own eviction) says otherwise.
+  cfg = config.load(None, [])
+  assert cfg.train.compile_cache_max_gb == 10.0
+  assert cli.cache_max_bytes(cfg, {}) == 10 * 2**30
+  assert cli.cache_max_bytes(config.load(None, ["train.compile_cache_max_gb=0.5"]), {}) == 2**29
+  assert cli.cache_max_bytes(config.load(None, ["train.compile_cache_max_gb=0"]), {}) == 0
+  assert cli.cache_max_bytes(cfg, {"JAX_COMPILATION_CACHE_MAX_SIZE": "99"}) == 0
+  with pytest.raises(config.ConfigError, match="must not be negative"):
+    config.load(None, ["train.compile_cache_max_gb=-1"])
+  cache = tmp_path / "cache"
+  (cache / "jaxpar-steps").mkdir(parents=True)
+  for i, key in enumerate(("jit_old", "jit_new")):
+    (cache / f"{key}-cache").write_bytes(b"x" * 600)
+    (cache / f"{key}-atime").write_bytes(b"t" * 8)  # JAX's eviction's file, where it was on
+    os.utime(cache / f"{key}-cache", (now - 100 + i, now - 100 + i))
+  updates = {}
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_MAX_SIZE", raising=False)
+  monkeypatch.setattr(jax.config, "update", lambda name, value: updates.__setitem__(name, value))
+  cli.use_compile_cache(config.load(None, [f"train.compile_cache={cache}",
+                                           "train.compile_cache_max_gb=1e-6"]))  # 1073 bytes
+  assert updates["jax_compilation_cache_dir"] == str(cache)
+  assert "jax_compilation_cache_max_size" not in updates  # JAX's eviction stays off
+  assert sorted(p.name for p in cache.iterdir()) == ["jaxpar-steps", "jit_new-atime",
+                                                      "jit_new-cache"]

@@ -152,7 +152,26 @@ def use_compile_cache(cfg: jconfig.Config) -> str | None:
   # environment says otherwise.
   if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  bound = cache_max_bytes(cfg)
+  if bound > 0:
+    from jaxpar.train import executables  # lazy: it loads JAX, which launch_local.py must not
+    executables.prune(path, bound, suffix="-cache", beside=("-atime",))
   return path
+
+
+def cache_max_bytes(cfg: jconfig.Config, environ=None) -> int:
+  """The bound train.compile_cache_max_gb puts on JAX's programs in the cache folder, in bytes,
+  which `use_compile_cache` keeps as each run starts; 0 for none: the key is 0, or
+  $JAX_COMPILATION_CACHE_MAX_SIZE is set (JAX's own LRU eviction then bounds the folder).
+
+  JAX's eviction is not turned on here: it needs an access-time file beside every program and
+  fails every write (nothing more is cached) once a program without one is in the folder, as
+  every program written without eviction is (by an earlier jaxpar, or plain JAX).
+  """
+  environ = os.environ if environ is None else environ
+  if "JAX_COMPILATION_CACHE_MAX_SIZE" in environ:
+    return 0
+  return int(cfg.train.compile_cache_max_gb * 2**30)
 
 
 def check_outputs(*outputs: tuple[str, str | None, str]) -> None:

@@ -14,7 +14,9 @@ a jaxpar run is fixed before it is traced by what `fingerprint` hashes:
 The serialized executable is kept under that key in <train.compile_cache>/jaxpar-steps/, and a
 run with the same key loads it instead of tracing. A run that differs in any of these misses,
 traces and compiles as before (JAX's own cache may still spare the compile), and keeps its own
-entry; nothing needs clearing. What no key can see is code changed inside the running process
+entry; nothing needs clearing. The store is bounded (train.compile_cache_max_gb): a load marks its
+entry used (its modification time), and a save removes the least recently used entries until
+the rest fit. What no key can see is code changed inside the running process
 (a jaxpar function replaced at run time): the store is used where jaxpar's files run as they are
 on disk, by `jaxpar-train` (scripts/train.py), or by a caller of loop.run that asks for it.
 """
@@ -28,6 +30,7 @@ import os
 import pickle
 import sys
 import tempfile
+import time
 from typing import Any
 
 import jax
@@ -38,6 +41,7 @@ import jaxpar
 FOLDER = "jaxpar-steps"  # inside the compilation cache's folder
 _DISTRIBUTIONS = ("flax", "optax", "numpy", "ml_dtypes", "ml-dtypes")
 _ENV_PREFIXES = ("XLA_", "JAX_", "TPU_", "LIBTPU")
+_STALE_TMP_S = 86400.0  # a save takes seconds: a file written aside a day ago was left
 _source: str | None = None
 
 
@@ -133,12 +137,20 @@ def load(where: str, key: str, args_abstract: Any,
   except Exception:  # noqa: BLE001
     return None
   shapes = lambda tree: [(tuple(a.shape), a.dtype) for a in jax.tree_util.tree_leaves(tree)]
-  return compiled if shapes(compiled.args_info) == shapes(args_abstract) else None
+  if shapes(compiled.args_info) != shapes(args_abstract):
+    return None
+  try:
+    os.utime(_path(where, key))  # used now: the last entry a bounded store gives up
+  except OSError:
+    pass  # a read-only store still loads
+  return compiled
 
 
-def save(where: str, key: str, compiled: jax.stages.Compiled) -> bool:
+def save(where: str, key: str, compiled: jax.stages.Compiled, max_bytes: int = 0) -> bool:
   """Keeps `compiled` under `key`; False (and nothing written) where it cannot be serialized or
   the folder cannot be written. The file appears whole or not at all (written aside, renamed).
+  With `max_bytes` > 0 the least recently used other entries then go until the store fits
+  (`prune`).
 
   `compiled` must come from XLA's compiler in this process, not from JAX's persistent cache: on
   XLA:CPU (JAX 0.10.2) an executable loaded from that cache serializes without its kernels, and
@@ -158,8 +170,50 @@ def save(where: str, key: str, compiled: jax.stages.Compiled) -> bool:
       f.write(blob)
     os.chmod(tmp, 0o644)  # readable as JAX's own entries are, in a folder others may share
     os.replace(tmp, _path(where, key))
-    return True
   except OSError:
     if tmp is not None and os.path.exists(tmp):
       os.remove(tmp)
     return False
+  if max_bytes > 0:
+    prune(where, max_bytes, keep=key)
+  return True
+
+
+def prune(where: str, max_bytes: int, keep: str | None = None, suffix: str = ".pkl",
+          beside: tuple[str, ...] = ()) -> list[str]:
+  """Removes the least recently used entries of the folder `where` (files named <key><suffix>;
+  used last at the later of their modification and access times) until those left take at most
+  `max_bytes`; the entry `keep` stays even if it alone is larger. Files <key><b> for each b in
+  `beside` go with their entry. Returns the keys removed. An entry another process removes
+  first, or one that cannot be removed, is passed by. A save's file written aside (.*.tmp) and
+  left by a process killed before its rename goes after a day.
+  """
+  entries, now = [], time.time()
+  for name in os.listdir(where):
+    path = os.path.join(where, name)
+    try:
+      st = os.stat(path)
+      if name.startswith(".") and name.endswith(".tmp") and now - st.st_mtime > _STALE_TMP_S:
+        os.remove(path)
+    except OSError:
+      continue
+    if name.endswith(suffix) and not name.startswith(".") and os.path.isfile(path):
+      entries.append((max(st.st_mtime, st.st_atime), name[:-len(suffix)], st.st_size))
+  total, removed = sum(size for _, _, size in entries), []
+  for _, key, size in sorted(entries):
+    if total <= max_bytes:
+      break
+    if key == keep:
+      continue
+    try:
+      os.remove(os.path.join(where, key + suffix))
+    except OSError:
+      continue
+    for b in beside:
+      try:
+        os.remove(os.path.join(where, key + b))
+      except OSError:
+        pass
+    total -= size
+    removed.append(key)
+  return removed

@@ -172,7 +172,8 @@ class _Run:
       if stored:
         self.compile_info["compile_cache"] = "hit"
       elif step_compile["compile_cache"] == "miss":  # compiled here, not loaded: see save
-        executables.save(store, key, self.compiled)
+        executables.save(store, key, self.compiled,
+                         int(self.cfg.train.compile_cache_max_gb * 2**30))
     return skipped
 
   def _restore_after(self, compiled: threading.Event, start: int) -> tuple[Any, int, int]:
