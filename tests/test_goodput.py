@@ -518,6 +518,18 @@ def test_the_cache_and_the_step_store_keep_at_most_their_bound_least_recently_us
   assert executables.prune(str(where), 50, keep="d") == ["c"]
   assert executables.prune(str(where), 50, keep="d") == []  # d alone is over the bound: stays
   assert sorted(p.name for p in where.iterdir()) == [".c.now.tmp", "d.pkl"]
+  # Two processes pruning at once: an entry the other took first counts as gone, so no more go.
+  for key in ("e", "f", "g"):
+    (where / f"{key}.pkl").write_bytes(b"x" * 100)
+  real_remove = os.remove
+  def raced(path):
+    real_remove(path)
+    if path.endswith("e.pkl"):
+      raise FileNotFoundError(path)
+  monkeypatch.setattr(os, "remove", raced)
+  assert executables.prune(str(where), 250) == ["d"]  # then e went (the other's): enough
+  monkeypatch.setattr(os, "remove", real_remove)
+  assert sorted(p.name for p in where.iterdir()) == [".c.now.tmp", "f.pkl", "g.pkl"]
 
   # JAX's programs: train.compile_cache_max_gb (10 GiB by default) bounds them too, kept as a run
   # starts, unless 0 or the environment (JAX's own eviction) says otherwise.

@@ -207,6 +207,9 @@ def prune(where: str, max_bytes: int, keep: str | None = None, suffix: str = ".p
       continue
     try:
       os.remove(os.path.join(where, key + suffix))
+    except FileNotFoundError:  # another process pruning beside this one took it: gone all the same
+      total -= size
+      continue
     except OSError:
       continue
     for b in beside:
