@@ -300,6 +300,11 @@ def microbatches(cfg: Config, stages: int) -> int:
   return cfg.parallel.microbatches or (2 * stages if stages > 1 else 1)
 
 
+def compile_cache_max_bytes(cfg: Config) -> int:
+  """train.compile_cache_max_gb in bytes (0: no bound)."""
+  return int(cfg.train.compile_cache_max_gb * 2**30)
+
+
 def get(cfg: Config, key: str) -> Any:
   section, name = key.split(".")
   return getattr(getattr(cfg, section), name)

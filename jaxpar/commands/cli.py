@@ -154,7 +154,7 @@ def use_compile_cache(cfg: jconfig.Config) -> str | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   bound = cache_max_bytes(cfg)
   if bound > 0:
-    from jaxpar.train import executables  # lazy: it loads JAX, which launch_local.py must not
+    from jaxpar.train import executables  # lazy: importing it loads JAX (see above)
     executables.prune(path, bound, suffix="-cache", beside=("-atime",))
   return path
 
@@ -171,7 +171,7 @@ def cache_max_bytes(cfg: jconfig.Config, environ=None) -> int:
   environ = os.environ if environ is None else environ
   if "JAX_COMPILATION_CACHE_MAX_SIZE" in environ:
     return 0
-  return int(cfg.train.compile_cache_max_gb * 2**30)
+  return jconfig.compile_cache_max_bytes(cfg)
 
 
 def check_outputs(*outputs: tuple[str, str | None, str]) -> None:

@@ -28,6 +28,7 @@ import importlib.metadata
 import json
 import os
 import pickle
+import stat
 import sys
 import tempfile
 import time
@@ -197,7 +198,7 @@ def prune(where: str, max_bytes: int, keep: str | None = None, suffix: str = ".p
         os.remove(path)
     except OSError:
       continue
-    if name.endswith(suffix) and not name.startswith(".") and os.path.isfile(path):
+    if name.endswith(suffix) and not name.startswith(".") and stat.S_ISREG(st.st_mode):
       entries.append((max(st.st_mtime, st.st_atime), name[:-len(suffix)], st.st_size))
   total, removed = sum(size for _, _, size in entries), []
   for _, key, size in sorted(entries):

@@ -172,8 +172,7 @@ class _Run:
       if stored:
         self.compile_info["compile_cache"] = "hit"
       elif step_compile["compile_cache"] == "miss":  # compiled here, not loaded: see save
-        executables.save(store, key, self.compiled,
-                         int(self.cfg.train.compile_cache_max_gb * 2**30))
+        executables.save(store, key, self.compiled, jconfig.compile_cache_max_bytes(self.cfg))
     return skipped
 
   def _restore_after(self, compiled: threading.Event, start: int) -> tuple[Any, int, int]:
