@@ -3,7 +3,7 @@
 The public surface: `Trainer` (sharded init + compiled step, `save` / `load` of checkpoints),
 `from_nnx` / `from_linen` (bring your own Flax model), `from_stack` (your own stack of blocks,
 which the pipeline cuts into stages), `RULES` (logical axis -> mesh axis) and `rules`
-(`rules.constrain` for activations), `make_mesh`, and `config.load`. The package's layers:
+(`rules.constrain` for activations), `make_mesh`, `SpikeGuard` (the loss-spike guard for a loop of your own), and `config.load`. The package's layers:
 ARCHITECTURE.md.
 """
 from jaxpar.parallel import hostmem
@@ -17,6 +17,7 @@ from jaxpar.models.user_stack import from_stack  # noqa: E402
 from jaxpar.parallel import mesh as _mesh  # noqa: E402
 from jaxpar.parallel import rules  # noqa: E402  (jaxpar.rules.constrain in a model)
 from jaxpar.parallel.rules import RULES  # noqa: E402
+from jaxpar.train.guard import SpikeGuard  # noqa: E402
 from jaxpar.train.step import Trainer  # noqa: E402
 from jaxpar.version import __version__  # noqa: E402
 
@@ -33,5 +34,5 @@ def make_mesh(spec: str):
   return _mesh.make(shape, jax.devices()[:n])
 
 
-__all__ = ["Config", "ConfigError", "ModelDef", "RULES", "Trainer", "config", "from_linen",
+__all__ = ["Config", "ConfigError", "ModelDef", "RULES", "SpikeGuard", "Trainer", "config", "from_linen",
            "from_nnx", "from_stack", "make_mesh", "rules", "__version__"]

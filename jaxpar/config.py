@@ -81,10 +81,11 @@ class TrainConfig:
   eval_steps: int = 10  # batches per evaluation (0 = the whole split)
   skip_nonfinite: bool = False  # a step with a non-finite loss or gradient leaves the state as it was
   # Loss-spike guard (off at 0): a non-finite loss or gradient norm, or spike_steps losses in a row
-  # above spike_factor x the median of the last spike_window losses, restores the state of the
-  # last logged step before them (a copy kept in host memory, taken at each train.log_every step
-  # that was good), skips the batches trained since that step and goes on; after max_rollbacks
-  # rollbacks the next spike stops the run.
+  # above spike_factor x the median of the last spike_window losses, restores the last state a
+  # good loss has judged (copies kept in host memory at each train.log_every step that was good;
+  # step n's loss judges the state after step n - 1, so the newest copy waits for the next log
+  # step), skips the batches trained since that state and goes on; after max_rollbacks rollbacks
+  # the next spike stops the run. jaxpar.SpikeGuard is the same guard for a loop of your own.
   spike_factor: float = 0.0
   spike_steps: int = 2
   spike_window: int = 100

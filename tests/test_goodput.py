@@ -89,33 +89,43 @@ class Scripted:
     pass
 
 
-def scripted_run(monkeypatch, workdir, ids, steps, *overrides):
+def scripted_run(monkeypatch, workdir, ids, steps, *overrides, metrics=None):
   import jaxpar.data
   loader = Scripted(ids)
   monkeypatch.setattr(jaxpar.data, "make_loader", lambda *a, **k: loader)
   logged = []
   cfg = config.load(None, SPIKE + list(overrides))
-  result = loop.run(cfg, (8, 1, 1), str(workdir), None, steps=steps, progress=False,
+  result = loop.run(cfg, (8, 1, 1), str(workdir), metrics, steps=steps, progress=False,
                     log=logged.append)
   return result, logged, loader
 
 
 def test_a_loss_spike_rolls_back_and_trains_as_if_its_batches_were_never_there(tmp_path,
                                                                                 monkeypatch):
+  # Steps 11 and 12 train on the bad window. Step 11's loss, high, was computed with the state
+  # after step 10, which no good loss has judged: the guard goes back to step 9 and skips the
+  # batches of steps 10-12, the window's and the one before it.
   ids = [i if i not in BAD else -i for i in range(40)]
   guard = ["train.spike_factor=1.5", "train.spike_steps=2", "train.spike_window=4"]
-  got, logged, loader = scripted_run(monkeypatch, tmp_path / "spiked", ids, 16, *guard)
+  m = tmp_path / "m.jsonl"
+  got, logged, loader = scripted_run(monkeypatch, tmp_path / "spiked", ids, 16, *guard,
+                                     metrics=str(m))
   line = [l for l in logged if l.startswith("loss spike")]
-  assert line == [l for l in line if "steps 11-12" in l and "rolled back to step 10 and skipped "
-                  "the batches of steps 11-12 (rollback 1 of at most 3)" in l] and len(line) == 1, logged
+  assert line == [l for l in line if "steps 11-12" in l and "rolled back to step 9 and skipped "
+                  "the batches of steps 10-12 (rollback 1 of at most 3)" in l] and len(line) == 1, logged
   assert got.summary["rollbacks"] == 1 and got.summary["rollback_copy_bytes"] > 0
-  assert got.summary["time_s"]["rollback"] > 0  # two steps thrown away, a restore, the copies
-  assert loader.position == 18  # 16 steps trained, 2 batches skipped
+  assert got.summary["time_s"]["rollback"] > 0  # three steps thrown away, a restore, the copies
+  assert loader.position == 19  # 16 steps trained, 3 batches skipped
   from jaxpar.train import checkpoint
   assert checkpoint.read_extra(str(tmp_path / "spiked" / "checkpoints"), 16)["data"] == {
-      "epoch": 0, "position": 18}  # a resume goes on after the window, not through it
+      "epoch": 0, "position": 19}  # a resume goes on after the window, not through it
+  # Every step that ran has its row, once per run of it; the one that called the rollback is
+  # marked, and the steps after the good one appear again as they are trained again.
+  rows = [r for r in records(m) if not r.get("final")]
+  assert [(r["step"], r.get("spike")) for r in rows] == (
+      [(s, None) for s in range(1, 12)] + [(12, 1)] + [(s, None) for s in range(10, 17)])
 
-  clean = [i for i in ids if i >= 0]
+  clean = [i for i in ids if i >= 0 and i != 9]
   ref, _, _ = scripted_run(monkeypatch, tmp_path / "clean", clean, 16)
   assert sorted(got.losses) == sorted(ref.losses) == list(range(1, 17))
   for step in ref.losses:
@@ -123,6 +133,54 @@ def test_a_loss_spike_rolls_back_and_trains_as_if_its_batches_were_never_there(t
   for a, b in zip(jax.tree_util.tree_leaves(got.state["params"]),
                   jax.tree_util.tree_leaves(ref.state["params"])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def poison_update_of_step(monkeypatch, n: int) -> None:
+  """Step `n`'s update multiplies every parameter by 50 after the step: its own loss (computed
+  before the update) is normal, the next one is not."""
+  from jaxpar.train import step as jstep
+  lower = jstep.Trainer.lower
+
+  class Poisoned:
+    def __init__(self, compiled):
+      self.compiled, self.calls = compiled, 0
+
+    def __call__(self, state, batch):
+      state, metrics = self.compiled(state, batch)
+      self.calls += 1
+      if self.calls == n:
+        state = {**state, "params": jax.tree_util.tree_map(lambda p: p * 50, state["params"])}
+      return state, metrics
+
+    def __getattr__(self, name):
+      return getattr(self.compiled, name)
+
+  class Lowered:
+    def __init__(self, lowered):
+      self.lowered = lowered
+
+    def compile(self):
+      return Poisoned(self.lowered.compile())
+
+  monkeypatch.setattr(jstep.Trainer, "lower", lambda self, *a: Lowered(lower(self, *a)))
+
+
+def test_an_update_that_harms_the_state_while_its_own_loss_is_normal_is_rolled_back(tmp_path,
+                                                                                  monkeypatch):
+  # Update 8 harms the state, but step 8's loss is computed before it and looks normal; step 9's
+  # is far too high. A guard that had kept the state after step 8 (its losses were all good)
+  # would return to the harm and spike again until max_rollbacks stops the run.
+  poison_update_of_step(monkeypatch, 8)
+  ids = list(range(40))
+  got, logged, loader = scripted_run(monkeypatch, tmp_path / "wd", ids, 16,
+                                     "train.spike_factor=1.5", "train.spike_steps=1",
+                                     "train.spike_window=4", "train.max_rollbacks=1")
+  line = [l for l in logged if l.startswith("loss spike")]
+  assert len(line) == 1 and "loss spike at step 9 " in line[0] and (
+      "rolled back to step 7 and skipped the batches of steps 8-9" in line[0]), logged
+  assert got.summary["rollbacks"] == 1 and loader.position == 18
+  assert all(np.isfinite(v) for v in got.losses.values()) and got.steps == 16
+  assert max(got.losses[s] for s in range(9, 17)) < 2 * got.losses[7]
 
 
 def test_spikes_beyond_max_rollbacks_stop_the_run_in_one_sentence(tmp_path, monkeypatch):

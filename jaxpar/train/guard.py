@@ -1,8 +1,10 @@
-"""The loss-spike guard (train.spike_factor > 0): judges each logged loss, keeps the last good
-state in host memory and rolls the run back to it, skipping the batches since.
+"""The loss-spike guard (train.spike_factor > 0, or `jaxpar.SpikeGuard` in a loop of your own):
+judges each logged loss, keeps the last state a loss has judged good in host memory and rolls the
+run back to it, skipping the batches since.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -45,24 +47,60 @@ class HostCopy:
     return jax.tree_util.tree_unflatten(self.treedef, out)
 
 
-class SpikeGuard:
-  """train.spike_factor > 0: judges each step's loss and keeps the state to roll back to.
+@dataclasses.dataclass
+class Kept:
+  """A state copied to host memory: the state after `step`, with the run's count of skipped
+  updates up to it, and when it was taken (perf_counter; `beside`: the loop's time beside the
+  steps then, metrics.TimeSplit.beside_steps)."""
+  step: int
+  copy: HostCopy
+  skipped: int = 0
+  t: float = 0.0
+  beside: float = 0.0
 
-  A loss is high when it is above spike_factor x the median of the last spike_window losses
-  (judged once 5 are known); spike_steps high losses in a row, or one non-finite loss or gradient
-  norm, call for a rollback. The state is copied to host memory at every log step whose losses
-  were all good (none high, none pending), since losses are fetched only there: a rollback returns
-  to the last such step and drops every batch trained since, the spike's and those between.
+
+class SpikeGuard:
+  """Judges each step's loss and keeps the state to roll back to.
+
+  A loss is high when it is above `factor` x the median of the last `window` losses (judged once
+  5 are known); `steps` high losses in a row, or one non-finite loss or gradient norm, call for a
+  rollback. After `max_rollbacks` rollbacks the next spike stops the run (FloatingPointError).
+
+  Step n's loss is computed with the parameters before update n: it judges the state after step
+  n - 1, not the state update n made. So the guard holds two copies in host memory: `good`, a
+  state a later loss has judged, and `candidate`, the newest state copied, which no loss has
+  judged yet. At each log step whose losses were all good (none high, none pending) the candidate
+  becomes good (the losses since judged it) and the newest state is copied as the candidate. A
+  rollback returns to `good`, drops the candidate and every batch trained since: an update that
+  harmed the state while its own loss looked normal is rolled back with the rest, never returned
+  to. Until a first candidate is judged, `good` is the state the run started from.
+
+  In a loop of your own (jaxpar.Trainer), `start` it with the state you begin from and call
+  `watch` after each step (or every few: each call fetches the loss, a host sync):
+
+    guard = jaxpar.SpikeGuard(factor=2.0)
+    guard.start(step, state)
+    while step < steps:
+      state, metrics = trainer.step(state, next_batch())
+      state, step = guard.watch(step + 1, state, metrics)  # the good step after a rollback
   """
 
-  def __init__(self, tc: jconfig.TrainConfig):
-    self.factor, self.steps, self.window = tc.spike_factor, tc.spike_steps, tc.spike_window
+  def __init__(self, factor: float, steps: int = 2, window: int = 100, max_rollbacks: int = 3):
+    if not factor > 1 or steps < 1 or window < 1 or max_rollbacks < 0:
+      raise ValueError(f"SpikeGuard(factor={factor}, steps={steps}, window={window}, "
+                       f"max_rollbacks={max_rollbacks}): factor must be above 1, steps and window "
+                       f"positive, max_rollbacks at least 0")
+    self.factor, self.steps, self.window = factor, steps, window
+    self.max_rollbacks = max_rollbacks
     self.history: list[tuple[int, float]] = []  # (step, loss) of steps kept, oldest first
     self.high: list[int] = []  # steps of the current run of high losses
-    self.copy: HostCopy | None = None
-    self.good_step = 0  # the step `copy` holds
-    self.good_t = 0.0  # perf_counter when it was taken
+    self.good: Kept | None = None
+    self.candidate: Kept | None = None
     self.rollbacks = 0
+
+  @classmethod
+  def from_config(cls, tc: jconfig.TrainConfig) -> "SpikeGuard":
+    return cls(tc.spike_factor, tc.spike_steps, tc.spike_window, tc.max_rollbacks)
 
   def judge(self, step: int, loss: float, grad_norm: float) -> str | None:
     """Takes one step's loss; the reason for a rollback, or None."""
@@ -86,14 +124,63 @@ class SpikeGuard:
     """No high loss is waiting to be confirmed or cleared: the current state may be kept."""
     return not self.high
 
-  def keep(self, step: int, state: dict, skipped: int) -> None:
-    """Copies `state`, the state after `step`, whose losses were all good."""
-    self.copy, self.good_step, self.good_t = HostCopy(state), step, time.perf_counter()
-    self.skipped = skipped  # steps whose update was dropped, up to this one
+  @property
+  def good_step(self) -> int:
+    """The step a rollback now returns to."""
+    return self.good.step
 
-  def roll_back(self) -> dict:
-    """The kept state; forgets the losses of the steps rolled back."""
+  @property
+  def nbytes(self) -> int:
+    """Host memory the copies take (this process's shards, each once)."""
+    return sum(k.copy.nbytes for k in (self.good, self.candidate) if k is not None)
+
+  def start(self, step: int, state: dict, skipped: int = 0, beside: float = 0.0) -> None:
+    """Copies the state the run starts from at `step`: where a rollback goes until a later state
+    has been judged."""
+    self.good = Kept(step, HostCopy(state), skipped, time.perf_counter(), beside)
+    self.candidate = None
+
+  def keep(self, step: int, state: dict, skipped: int = 0, beside: float = 0.0) -> None:
+    """At a log step whose losses were all good: the candidate (judged by those losses) becomes
+    good, and `state`, the state after `step`, the new candidate."""
+    if self.good is None:
+      raise ValueError("SpikeGuard.keep before start: start(step, state) with the state the run "
+                       "begins from first")
+    if self.candidate is not None and self.candidate.step < step:
+      self.good, self.candidate = self.candidate, None  # the old good's copy can go first
+    self.candidate = Kept(step, HostCopy(state), skipped, time.perf_counter(), beside)
+
+  def roll_back(self) -> Kept:
+    """The good state's copy; forgets the candidate and the losses of the steps after it."""
     self.rollbacks += 1
     self.high.clear()
-    self.history = [(s, l) for s, l in self.history if s <= self.good_step]
-    return self.copy.restore()
+    self.candidate = None
+    self.history = [(s, l) for s, l in self.history if s <= self.good.step]
+    return self.good
+
+  def give_up(self, first: int, last: int, why: str) -> FloatingPointError:
+    """The error for a spike at steps first..last past max_rollbacks."""
+    steps = f"step {first}" if first == last else f"steps {first}-{last}"
+    return FloatingPointError(
+        f"loss spike at {steps} ({why}) after {self.rollbacks} rollbacks, the most "
+        f"train.max_rollbacks={self.max_rollbacks} allows; stopping without saving (the last "
+        f"good checkpoint is kept)")
+
+  def watch(self, step: int, state: dict, metrics: dict) -> tuple[dict, int]:
+    """For a loop of your own: judges the loss of `step` (metrics["loss"] and
+    metrics["grad_norm"], as Trainer.step returns them; fetched from the devices here) and returns
+    the state and step to go on from: (`state`, `step`), or after a spike the good state restored
+    onto its devices and shardings and its step. Raises FloatingPointError past max_rollbacks."""
+    if self.good is None:
+      raise ValueError("SpikeGuard.watch before start: call start(step, state) with the state "
+                       "your loop begins from")
+    loss, grad_norm = (float(x) for x in jax.device_get((metrics["loss"], metrics["grad_norm"])))
+    why = self.judge(step, loss, grad_norm)
+    if why is not None:
+      if self.rollbacks >= self.max_rollbacks:
+        raise self.give_up(self.high[0], step, why)
+      good = self.roll_back()
+      return good.copy.restore(), good.step
+    if self.clear:
+      self.keep(step, state)
+    return state, step

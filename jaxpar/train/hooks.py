@@ -73,7 +73,7 @@ class Reporter:
                rate: Throughput, compile_info: dict, peak: float, skipped: int):
     self.cfg, self.trainer, self.logger, self.rate = cfg, trainer, logger, rate
     self.compile_info, self.peak = compile_info, peak
-    self.guard = SpikeGuard(cfg.train) if cfg.train.spike_factor else None
+    self.guard = SpikeGuard.from_config(cfg.train) if cfg.train.spike_factor else None
     self.skipped = skipped  # steps whose update was dropped (skip_nonfinite, dynamic scaling)
     self.losses: dict[int, float] = {}
     self.pending: list[tuple[int, dict]] = []  # device metrics not yet fetched
@@ -101,33 +101,38 @@ class Reporter:
     return None
 
   def flush(self, now_step: int, extra: dict | None = None) -> tuple[int, int, str] | None:
-    """Fetches and checks the pending metrics and logs the newest; with the spike guard, returns
-    (first, last, why) of the steps that call for a rollback instead of logging."""
+    """Fetches and checks the pending metrics and logs the newest; with the spike guard, a spike
+    logs the row of the step that called for it instead (marked `spike`; the steps after it in
+    this flush are rolled back unjudged) and returns (first, last, why) of the high steps."""
     fetched = jax.device_get([m for _, m in self.pending])
     for (s, _), m in zip(self.pending, fetched):
       self.losses[s] = float(m["loss"])
       self.skipped += int(m.get("skipped", 0))
       why = self._check(s, m)
-      if why is not None:  # the steps after this one are rolled back with it, unjudged
+      if why is not None:
+        elapsed = time.perf_counter() - self.rate.t  # not a throughput interval: rolled back
+        self._log(s, m, elapsed / max(self.rate.steps, 1), extra, {"spike": 1})
         self.pending.clear()
         return self.guard.high[0], s, why
-    step_time = self.rate.close(now_step)
-    m = {k: float(v) for k, v in fetched[-1].items()}
-    bs = self.cfg.train.batch_size
+    self._log(now_step, fetched[-1], self.rate.close(now_step), extra)
+    self.pending.clear()
+    self.rate.restart()
+    return None
+
+  def _log(self, step: int, fetched: dict, step_time: float, extra: dict | None,
+           mark: dict | None = None) -> None:
+    m = {k: float(v) for k, v in fetched.items()}
     row = {"loss": m.pop("loss"), "learning_rate": m.pop("learning_rate"),
            "grad_norm": m.pop("grad_norm"), "step_time_s": step_time,
-           "examples_per_sec": bs / step_time}
+           "examples_per_sec": self.cfg.train.batch_size / step_time}
     if self.tokens_per_step:
       row["tokens_per_sec"] = self.tokens_per_step / step_time
     # The first row says how the step was compiled (a cache hit or miss, and how long it took).
     mfu = self.flops_per_step / step_time / (self.peak * self.trainer.mesh.size)
-    self.logger.log(now_step, {**row, "mfu": mfu, **m, **(extra or {}),
-                               **(self.compile_info if not self.logged else {}),
-                               **({"rollbacks": self.guard.rollbacks} if self.guard else {})})
+    self.logger.log(step, {**row, "mfu": mfu, **m, **(extra or {}), **(mark or {}),
+                           **(self.compile_info if not self.logged else {}),
+                           **({"rollbacks": self.guard.rollbacks} if self.guard else {})})
     self.logged += 1
-    self.pending.clear()
-    self.rate.restart()
-    return None
 
 
 class Rollbacks:
@@ -138,12 +143,10 @@ class Rollbacks:
     self.cfg, self.reporter, self.split, self.log = cfg, reporter, split, log
     self.guard = reporter.guard
     self.save_owed = False  # a save put off while a high loss was being judged
-    self.good_beside = 0.0  # split.beside_steps() when the guard's copy was taken
 
-  def keep(self, step: int, state: dict) -> None:
+  def start(self, step: int, state: dict) -> None:
     with self.split.part("rollback"):
-      self.guard.keep(step, state, self.reporter.skipped)
-    self.guard.good_t, self.good_beside = time.perf_counter(), self.split.beside_steps()
+      self.guard.start(step, state, self.reporter.skipped, self.split.beside_steps())
 
   def after_flush(self, step: int, state: dict, save: bool, final: bool,
                   watchdog: Watchdog) -> bool:
@@ -153,7 +156,8 @@ class Rollbacks:
     if self.guard.clear:
       watchdog.at(step, f"copying the state of step {step} to host memory (loss-spike guard)",
                   slow=True)
-      self.keep(step, state)
+      with self.split.part("rollback"):
+        self.guard.keep(step, state, self.reporter.skipped, self.split.beside_steps())
       save, self.save_owed = save or self.save_owed, False
     elif save and not final:
       save, self.save_owed = False, True
@@ -161,28 +165,25 @@ class Rollbacks:
 
   def roll_back(self, first: int, last: int, why: str, now: int) -> tuple[Any, int]:
     """The state and step to go on from after the spike at steps first..last, found at `now`."""
-    guard, max_rollbacks = self.guard, self.cfg.train.max_rollbacks
-    good = guard.good_step
-    steps = f"step {first}" if first == last else f"steps {first}-{last}"
-    if guard.rollbacks >= max_rollbacks:
-      raise FloatingPointError(
-          f"loss spike at {steps} ({why}) after {guard.rollbacks} rollbacks, the most "
-          f"train.max_rollbacks={max_rollbacks} allows; stopping without saving (the "
-          f"last good checkpoint is kept)")
+    guard = self.guard
+    if guard.rollbacks >= guard.max_rollbacks:
+      raise guard.give_up(first, last, why)
     with self.split.part("rollback"):
-      restored = guard.roll_back()
-    for s in [s for s in self.reporter.losses if s > good]:
+      good = guard.roll_back()
+      restored = good.copy.restore()
+    for s in [s for s in self.reporter.losses if s > good.step]:
       del self.reporter.losses[s]
-    self.reporter.skipped = guard.skipped
-    self.log(f"loss spike at {steps} ({why}): rolled back to step {good} and skipped the batches "
-             f"of steps {good + 1}-{now} (rollback {guard.rollbacks} of at most {max_rollbacks})")
+    self.reporter.skipped = good.skipped
+    steps = f"step {first}" if first == last else f"steps {first}-{last}"
+    self.log(f"loss spike at {steps} ({why}): rolled back to step {good.step} and skipped the "
+             f"batches of steps {good.step + 1}-{now} (rollback {guard.rollbacks} of at most "
+             f"{guard.max_rollbacks})")
     t = time.perf_counter()
     # The steps since the copy: their wall time less what the loop spent beside them meanwhile.
-    self.split.seconds["rollback"] += (t - guard.good_t) - (self.split.beside_steps()
-                                                             - self.good_beside)
-    guard.good_t, self.good_beside = t, self.split.beside_steps()
+    self.split.seconds["rollback"] += (t - good.t) - (self.split.beside_steps() - good.beside)
+    good.t, good.beside = t, self.split.beside_steps()
     self.reporter.rate.restart(t)
-    return restored, good
+    return restored, good.step
 
 
 class Evaluation:
