@@ -121,7 +121,7 @@ class _Run:
                                  skipped)
     self.rollbacks = hooks.Rollbacks(cfg, self.report, split, log) if self.report.guard else None
     if self.rollbacks:
-      self.rollbacks.keep(self.start, self.state)
+      self.rollbacks.start(self.start, self.state)
     self.evaluation = hooks.Evaluation(cfg, trainer, evals, abstract, self.batch_sharding, split)
     self.profiling = hooks.Profiling(profile_steps, os.path.join(workdir, "profile"))
     self.stopped: dict = {}
@@ -263,7 +263,7 @@ class _Run:
             "first_loss": losses[min(losses)] if losses else None,
             "last_loss": losses[max(losses)] if losses else None,
             "interrupted": bool(self.stopped), "skipped_steps": report.skipped,
-            **({"rollbacks": guard.rollbacks, "rollback_copy_bytes": guard.copy.nbytes}
+            **({"rollbacks": guard.rollbacks, "rollback_copy_bytes": guard.nbytes}
                if guard is not None else {}),
             **({"loss_scale": float(state["loss_scale"]["scale"])}
                if self.trainer.dynamic_scale else {}),
