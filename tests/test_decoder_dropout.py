@@ -147,3 +147,61 @@ def test_a_ring_key_draws_one_devices_bits_at_its_positions():
     np.testing.assert_array_equal(piece, whole[:, order[i]])
   with pytest.raises(ConfigError, match="must have the batch, then the sequence"):
     jax.random.bits(base.at_rows(key, 0, ring=(0, C)), (5,))
+
+
+# -- the keys against a plain-JAX reference ---------------------------------------------------------
+# The layout tests above compare jaxpar with jaxpar, so a key that is wrong the same way on every
+# layout cannot show there. Here a GPT written out in plain JAX draws its own masks from the step's
+# key as the docstrings promise: the embedding's from fold_in(fold_in(key, L), 0), layer i's
+# attention and MLP branches' from fold_in(fold_in(key, i), 0) and (..., 1).
+
+def _layer_norm(x, scale, bias):
+  mean = x.mean(-1, keepdims=True)
+  return (x - mean) * jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + 1e-5) * scale \
+      + bias
+
+
+def reference_gpt_loss(params, tokens, key, rate, mc):
+  """Next-token loss of a pre-norm GPT with residual dropout, in plain JAX (float32)."""
+  L, H = mc.n_layers, mc.n_heads
+
+  def drop(x, k):
+    keep = jax.random.bernoulli(k, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0.0)
+  inputs, targets = tokens[:, :-1], tokens[:, 1:]
+  B, T = inputs.shape
+  x = params["wte"][inputs] + params["wpe"][:T][None]  # (B, T, D)
+  x = drop(x, jax.random.fold_in(jax.random.fold_in(key, L), 0))
+  for i in range(L):
+    p = {k: v[i] for k, v in params["layers"].items()}
+    k_i = jax.random.fold_in(key, i)
+    h = _layer_norm(x, p["ln1_scale"], p["ln1_bias"])
+    q = (h @ p["wq"] + p["bq"]).reshape(B, T, H, -1)
+    k = (h @ p["wk"]).reshape(B, T, H, -1)
+    v = (h @ p["wv"] + p["bv"]).reshape(B, T, H, -1)
+    a = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(B, T, -1)
+    x = x + drop(a @ p["wo"] + p["bo"], jax.random.fold_in(k_i, 0))
+    h = jax.nn.gelu(_layer_norm(x, p["ln2_scale"], p["ln2_bias"]) @ p["w1"] + p["b1"])
+    x = x + drop(h @ p["w2"] + p["b2"], jax.random.fold_in(k_i, 1))
+  logits = _layer_norm(x, params["lnf_scale"], params["lnf_bias"]) @ params["head"]
+  picked = jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
+  return jnp.mean(jax.nn.logsumexp(logits, -1) - picked)
+
+
+def test_dropout_keys_follow_the_layers_and_the_embedding_has_its_own():
+  """The model's first-step loss and gradients with the step's key equal the plain-JAX
+  reference's, which draws each layer's masks from its own key and the embedding's from one no
+  layer has. A wrong key changes masks, so the error would be O(rate), not rounding."""
+  cfg = make_cfg("model.dropout=0.1")
+  model = jmodel.build_model(cfg)
+  params = model.init(jax.random.key(cfg.train.seed))
+  batch = {"tokens": tokens(cfg)}
+  key = jax.random.fold_in(jax.random.key(cfg.train.seed), 0)  # step 0's (base.train_key), threefry
+  got_loss, got_grads = jax.jit(jax.value_and_grad(
+      lambda p: model.loss(p, batch, rng=step_key(cfg, 0))[0]))(params)
+  want_loss, want_grads = jax.jit(jax.value_and_grad(
+      lambda p: reference_gpt_loss(p, batch["tokens"], key, cfg.model.dropout, cfg.model)))(params)
+  err = eq.rel_err(got_grads, want_grads)
+  print(f"loss {float(got_loss):.7f} vs reference {float(want_loss):.7f}, grads rel {err:.2e}")
+  assert float(got_loss) == pytest.approx(float(want_loss), rel=RTOL)
+  assert err <= RTOL, err
