@@ -96,6 +96,12 @@ class TrainConfig:
   # evaluations, and for later steps the larger of 60 s and 10x the longest wait between steps.
   stall_timeout: float = 0.0
   first_step_timeout: float = 0.0
+  # With several processes, a save, an evaluation or the first step may wait long on the others;
+  # such a wait ends early (before its limit) only once a process's heartbeat has stood still
+  # this long, naming it. 0 = the default, 60 s: a pause of tens of seconds (swap, a VM
+  # migration) survives, and a dead process is named before JAX's coordination service gives up
+  # on it (its heartbeat timeout, 100 s by default: jaxpar-launch --heartbeat-timeout).
+  peer_timeout: float = 0.0
   # Compiled programs kept on disk, so a restart or a second run of the same layout loads its step
   # instead of compiling it: "" = none if $JAX_ENABLE_COMPILATION_CACHE is false, else
   # $JAX_COMPILATION_CACHE_DIR if set, else $JAXPAR_COMPILE_CACHE
@@ -177,7 +183,8 @@ _FRACTION = ("train.min_lr_ratio",)  # in [0, 1]: the final learning rate, a fra
 _NON_NEGATIVE = ("model.n_kv_heads", "model.max_positions", "parallel.microbatches", "train.warmup_steps", "train.weight_decay", "train.clip_norm",
                  "checkpoint.every", "data.max_bytes", "train.lr", "data.workers",
                  "train.eval_every", "train.eval_steps", "train.max_rollbacks",
-                 "train.stall_timeout", "train.first_step_timeout", "train.compile_cache_max_gb")
+                 "train.stall_timeout", "train.first_step_timeout", "train.peer_timeout",
+                 "train.compile_cache_max_gb")
 
 
 def _field_types(cls) -> dict[str, Any]:

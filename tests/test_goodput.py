@@ -5,6 +5,7 @@ The subprocess runs use a tiny model and their own cache folder (never the sessi
 other test's compiles decide a hit or a miss here).
 """
 import json
+import math
 import os
 import pathlib
 import re
@@ -261,7 +262,7 @@ def test_a_stopped_peer_is_named_by_the_others_and_the_launcher_and_the_run_resu
   cmd = [sys.executable, LAUNCH, "--processes", "2", "--", TRAIN, "--mesh", "2x1x1",
          "--workdir", str(tmp_path / "wd"), "--metrics-file", str(metrics), "--no-progress",
          "--set", *TINY, "train.steps=12", "checkpoint.every=2", "train.stall_timeout=6",
-         "train.warmup_steps=0"]
+         "train.peer_timeout=4", "train.warmup_steps=0"]
   with open(out_file, "w") as out, open(err_file, "w") as err:
     p = subprocess.Popen(cmd, stdout=out, stderr=err, env=child_env(), cwd=ROOT)
   try:
@@ -300,61 +301,129 @@ def test_a_stopped_peer_is_named_by_the_others_and_the_launcher_and_the_run_resu
 def test_the_new_keys_are_checked_and_the_watchdog_limits_default_as_documented():
   for bad, message in (("train.spike_factor=0.5", "must be 0 .* or above 1"),
                        ("train.spike_steps=0", "must be positive"),
-                       ("train.stall_timeout=-1", "must not be negative")):
+                       ("train.stall_timeout=-1", "must not be negative"),
+                       ("train.peer_timeout=-1", "must not be negative")):
     with pytest.raises(config.ConfigError, match=message):
       config.load(None, [bad])
   tc = config.load(None, []).train
   assert tc.spike_factor == 0  # the guard is off unless asked for
   assert distributed.stall_limits(tc, None) == (900.0, 60.0)
   assert distributed.stall_limits(tc, 9.0) == (900.0, 90.0)
+  assert distributed.peer_timeout(tc) == 60.0 < distributed.DEFAULT_HEARTBEAT_TIMEOUT
   tc = config.load(None, ["train.stall_timeout=5", "train.first_step_timeout=50"]).train
   assert distributed.stall_limits(tc, 9.0) == (50.0, 5.0)
 
 
 class _Store:
   """The coordination service's key-value store as the watchdog reads it: process 0's counter
-  moves at every read, process 1's only when `alive`."""
+  moves at every read; process 1's moves too, except from `still_from` s after the store is made
+  for `still_for` s (forever: inf)."""
 
-  def __init__(self, alive: bool):
-    self.alive, self.n = alive, 0
+  def __init__(self, still_from: float = 0.0, still_for: float = 0.0):
+    self.t0, self.still = time.monotonic(), (still_from, still_from + still_for)
+    self.n, self.frozen = 0, None
 
   def key_value_dir_get(self, prefix):
     self.n += 1
-    return [(f"{prefix}0", str(self.n)), (f"{prefix}1", str(self.n if self.alive else 1))]
+    t = time.monotonic() - self.t0
+    if self.still[0] <= t < self.still[1]:
+      self.frozen = self.n if self.frozen is None else self.frozen
+      mine = self.frozen
+    else:
+      self.frozen, mine = None, self.n
+    return [(f"{prefix}0", str(self.n)), (f"{prefix}1", str(mine))]
 
 
-@pytest.mark.parametrize("alive, peers", [(False, True), (True, True), (False, False)])
-def test_a_peer_silent_during_a_save_ends_the_process_before_the_limit(monkeypatch, capfd,
-                                                                      alive, peers):
-  """A save meets the other processes at orbax's barriers, where a dead peer is noticed only at the
-  coordination service's heartbeat timeout: a wait marked `peers` asks who still answers after 2 s
-  (0.5 s here, and beats of 0.05 s) and ends at once, naming the silent one; a live peer, or a wait
-  not so marked, goes on."""
+def watched(monkeypatch, store, overrides, slow=True, peers=True, watch_s=1.5, first=False):
+  """Runs a watchdog of process 0 of 2 over `store` for `watch_s` seconds in a wait marked as
+  given (beats of 0.05 s, the wait on the peers read from 0.2 s on); the exit codes it took."""
   monkeypatch.setattr(distributed, "_BEAT_S", 0.05)
-  monkeypatch.setattr(distributed, "_PEERS_AFTER_S", 0.5)
+  monkeypatch.setattr(distributed, "_PEERS_AFTER_S", 0.2)
   exits = []
 
   def exit_(code):
     exits.append(code)
     raise SystemExit(code)
   monkeypatch.setattr(distributed.os, "_exit", exit_)
-  dog = distributed.Watchdog(config.load(None, ["train.stall_timeout=600"]).train, 1)
-  dog.pi, dog.pc, dog.client, dog._stop = 0, 2, _Store(alive), threading.Event()
-  dog.first_step_done()
-  dog.at(7, "saving the checkpoint of step 7", slow=True, peers=peers)
-  threading.Timer(1.5, dog._stop.set).start()
+  dog = distributed.Watchdog(config.load(None, overrides).train, 1)
+  dog.pi, dog.pc, dog.client, dog._stop = 0, 2, store, threading.Event()
+  if not first:
+    dog.first_step_done()
+  dog.at(7, "saving the checkpoint of step 7", slow=slow, peers=peers)
+  threading.Timer(watch_s, dog._stop.set).start()
+  try:
+    dog._watch()  # returns when stopped
+  except SystemExit:
+    pass
+  return exits
+
+
+@pytest.mark.parametrize("still_for, peers, ends", [
+    (math.inf, True, True),  # a dead peer, in a wait on the peers: named after peer_timeout
+    (0.0, True, False),  # every peer beats
+    (math.inf, False, False),  # a wait not marked: the limit decides (600 s here)
+    (0.5, True, False)])  # a pause shorter than peer_timeout is waited out
+def test_a_peer_silent_during_a_save_ends_the_process_only_after_the_peer_timeout(
+    monkeypatch, capfd, still_for, peers, ends):
+  """A save meets the other processes at orbax's barriers, where a dead peer is noticed only at the
+  coordination service's heartbeat timeout: a wait marked `peers` reads the others' heartbeat
+  counters from 2 s into it (0.2 s here, and beats of 0.05 s) and ends once one has stood still
+  for train.peer_timeout (0.8 s here), naming it; a live peer, a peer paused for less, or a wait
+  not so marked goes on."""
   t0 = time.monotonic()
-  if alive or not peers:
-    dog._watch()  # returns when stopped, 1.5 s in
+  exits = watched(monkeypatch, _Store(0.0, still_for),
+                  ["train.stall_timeout=600", "train.peer_timeout=0.8"], peers=peers, watch_s=2.5)
+  if not ends:
     assert exits == []
     return
-  with pytest.raises(SystemExit):
-    dog._watch()
-  assert exits == [1] and time.monotonic() - t0 < 1.5
+  assert exits == [1] and 0.8 < time.monotonic() - t0 < 2.5
   err = capfd.readouterr().err.strip().splitlines()
   assert re.match(r"error: process 1 stopped answering: step 7 made no progress for \d+ s \(its "
-                  r"heartbeat stood still for 0\.15 s while this process waited in: saving the "
-                  r"checkpoint of step 7\); stopping", err[-1]), err[-1]
+                  r"heartbeat stood still for train\.peer_timeout=0\.8 s while this process waited "
+                  r"in: saving the checkpoint of step 7\); stopping", err[-1]), err[-1]
+
+
+def test_saves_and_evaluations_wait_the_first_step_limit_and_steps_the_steady_one(monkeypatch):
+  # A slow wait (a save, an evaluation) of 1 s is within the first-step limit (900 s) though past
+  # train.stall_timeout=0.5; the same wait between steps is not.
+  alive = _Store()
+  assert watched(monkeypatch, alive, ["train.stall_timeout=0.5"], slow=True, peers=False,
+                 watch_s=1.2) == []
+  assert watched(monkeypatch, alive, ["train.stall_timeout=0.5"], slow=False, peers=False,
+                 watch_s=1.2) == [1]
+  assert watched(monkeypatch, alive, ["train.stall_timeout=5", "train.first_step_timeout=0.5"],
+                 slow=True, peers=False, watch_s=1.2) == [1]
+
+
+def test_an_8_s_pause_of_a_process_during_saves_is_waited_out(tmp_path):
+  # Two processes save every step; process 1 is stopped (SIGSTOP) for 8 s once checkpoints are
+  # being written, then continued. With train.stall_timeout=120 the job waits and finishes.
+  import signal
+  metrics, out_file, err_file = tmp_path / "m.jsonl", tmp_path / "out", tmp_path / "err"
+  cmd = [sys.executable, LAUNCH, "--processes", "2", "--", TRAIN, "--mesh", "2x1x1",
+         "--workdir", str(tmp_path / "wd"), "--metrics-file", str(metrics), "--no-progress",
+         "--set", *TINY, "train.steps=14", "checkpoint.every=1", "train.stall_timeout=120"]
+  with open(out_file, "w") as out, open(err_file, "w") as err:
+    p = subprocess.Popen(cmd, stdout=out, stderr=err, env=child_env(), cwd=ROOT)
+  try:
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and p.poll() is None:
+      if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+        break
+      time.sleep(0.01)
+    assert p.poll() is None, err_file.read_text()
+    pid = int(re.search(r"process 1 as pid (\d+)", err_file.read_text())[1])
+    os.kill(pid, signal.SIGSTOP)
+    time.sleep(8)
+    assert p.poll() is None, err_file.read_text()  # the others waited for it
+    os.kill(pid, signal.SIGCONT)
+    p.wait(timeout=180)
+  finally:
+    if p.poll() is None:
+      p.kill()
+  assert p.returncode == 0, err_file.read_text()
+  rows = records(metrics)
+  assert rows[-1]["final"] and rows[-1]["steps"] == 14
 
 
 def test_a_peak_measured_for_the_same_devices_is_taken_and_another_is_measured(monkeypatch):

@@ -405,8 +405,8 @@ def exit_if_peer_lost(e: BaseException) -> None:
 STALL_SENTENCE = "stopped answering"  # launch_local.py reads the process named before it
 _ALIVE = "jaxpar/alive/"  # key prefix in JAX's coordination service: one counter per process
 _BEAT_S = 1.0  # how often each process's thread bumps its counter
-_PEERS_AFTER_S = 2.0  # a wait marked `peers` asks who still answers once it is this long
-_PROBE_EVERY_S = 5.0  # and again this often, as does any wait past the steady limit
+_PEERS_AFTER_S = 2.0  # a wait marked `peers` reads the others' counters from this long on, every beat
+DEFAULT_PEER_TIMEOUT_S = 60.0  # train.peer_timeout = 0: below DEFAULT_HEARTBEAT_TIMEOUT
 
 
 _heartbeat: threading.Thread | None = None
@@ -447,6 +447,12 @@ def stall_limits(tc, measured_gap: float | None) -> tuple[float, float]:
   return first, later
 
 
+def peer_timeout(tc) -> float:
+  """How long a peer's heartbeat must stand still before a long wait ends early for it:
+  train.peer_timeout, or DEFAULT_PEER_TIMEOUT_S where 0."""
+  return getattr(tc, "peer_timeout", 0.0) or DEFAULT_PEER_TIMEOUT_S
+
+
 class Watchdog:
   """Ends the process when the training loop makes no progress for longer than its limit.
 
@@ -463,8 +469,11 @@ class Watchdog:
   nobody else to blame and the sentence says where the step waits.
 
   A wait marked `peers` (a checkpoint's save: orbax meets the other processes at barriers of the
-  coordination service, which notices a dead process only at its heartbeat timeout) asks who still
-  answers after 2 s of it rather than at the limit, and ends the process as soon as one does not.
+  coordination service, which notices a dead process only at its heartbeat timeout) reads the
+  others' counters from 2 s into it, as does any wait past the steady limit (a long evaluation,
+  the first step), and ends before the limit once a process's counter has stood still for
+  train.peer_timeout (60 s by default): a peer paused for less (swap, a VM migration) is waited
+  for, and one dead is named before the coordination service aborts everyone.
   """
 
   def __init__(self, tc, log_every: int):
@@ -472,6 +481,8 @@ class Watchdog:
     self.step, self.what, self.t = 0, "starting", time.monotonic()
     self.first, self.slow, self.peers = True, False, False
     self.longest = 0.0  # the longest wait between two calls after the first step
+    self.peer_timeout = peer_timeout(tc)
+    self.seen: dict[int, tuple[str | None, float]] = {}  # process -> (counter, when it moved)
 
   def at(self, step: int, what: str, slow: bool = False, peers: bool = False) -> None:
     """The loop moved on to `what` for `step`; `slow` (saves, evals): the first-step limit;
@@ -527,24 +538,45 @@ class Watchdog:
     t.join(6 * _BEAT_S)
     return result[0] if result else None
 
+  def _still(self) -> list[int] | None:
+    """Processes whose counter has not moved for train.peer_timeout, by this and earlier reads
+    (a counter first read, or moved since the last read, moved now: a silence is never counted
+    from before it was seen); None if the store did not answer."""
+    try:
+      counters = self._counters()
+    except Exception:  # noqa: BLE001 (the coordinator is gone: the limit names it)
+      return None
+    now, still = time.monotonic(), []
+    for p in range(self.pc):
+      if p == self.pi:
+        continue
+      value = counters.get(p)
+      last = self.seen.get(p)
+      if last is None or last[0] != value:
+        self.seen[p] = (value, now)
+      elif now - last[1] >= self.peer_timeout:
+        still.append(p)
+    return still
+
   def _watch(self) -> None:
-    probed = 0.0  # when the others were last asked during a long wait
+    probed = 0.0  # when the others' counters were last read during a long wait
     while not self._stop.wait(0.5):
       t = self.t
       waited, limit = time.monotonic() - t, self.limit()
       if waited > limit:
         self._fire(waited, limit, self._who())
       # A save, an evaluation or the first step may take long, but not because a peer stopped:
-      # past the steady limit (a wait on the peers: past 2 s), check the others every 5 s and
-      # stop once one is silent.
+      # past the steady limit (a wait on the peers: past 2 s), read the others' counters every
+      # beat and stop once one has stood still for train.peer_timeout.
       later = stall_limits(self.tc, self.longest)[1]
       early = self.peers and waited > _PEERS_AFTER_S
       if (self.client is not None and (early or waited > later)
-          and time.monotonic() - probed > _PROBE_EVERY_S):
-        who = self._who()
+          and time.monotonic() - probed >= _BEAT_S):
         probed = time.monotonic()
-        if who and self.t == t:
-          self._fire(time.monotonic() - t, later, who, silent=waited <= later)
+        still = self._still()
+        if still and self.t == t:
+          who = "process" + ("es " if len(still) > 1 else " ") + ", ".join(map(str, still))
+          self._fire(time.monotonic() - t, later, who, silent=True)
 
   def _who(self) -> str | None:
     """'process 1' (or 'processes 1, 3') that stopped answering; None if all answer or alone."""
@@ -570,9 +602,9 @@ class Watchdog:
     limit_text = f"the watchdog's limit of {limit:.0f} s"
     if who and silent:
       text = (f"{who} {STALL_SENTENCE}: step {step} made no progress for {waited:.0f} s (its "
-              f"heartbeat stood still for {3 * _BEAT_S:g} s while this process waited in: "
-              f"{what}); stopping, the last complete checkpoint is kept: restart all processes "
-              f"to resume")
+              f"heartbeat stood still for train.peer_timeout={self.peer_timeout:g} s while this "
+              f"process waited in: {what}); stopping, the last complete checkpoint is kept: "
+              f"restart all processes to resume")
     elif who:
       text = (f"{who} {STALL_SENTENCE}: step {step} made no progress for {waited:.0f} s "
               f"({limit_text}); stopping, the last complete checkpoint is kept: restart all "
