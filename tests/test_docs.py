@@ -6,6 +6,7 @@ part of README's first command after its install). Training commands get `--step
 text cap so the sequence takes a minute; that is the only change, and it is the same for all, so
 what one command leaves in a workdir is what the next one finds there.
 """
+import json
 import math
 import os
 import pathlib
@@ -70,6 +71,66 @@ def in_process(argv, folder, monkeypatch, capsys) -> subprocess.CompletedProcess
   return subprocess.CompletedProcess(argv, code, out.out, out.err)
 
 
+def deepspeed_mapping(path, data: int) -> dict:
+  """What README's DeepSpeed table says the documented ds_config (ZeRO-3, offload, fp16 with a
+  dynamic scale, AdamW, WarmupDecayLR) becomes on a mesh of `data` data shards: {jaxpar key:
+  value}, read from the JSON here, not from jaxpar/interop/deepspeed.py."""
+  text = "".join(l for l in pathlib.Path(path).read_text().splitlines(True)
+                 if not l.lstrip().startswith("//"))
+  ds = json.loads(text)
+  micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+  assert ds["train_batch_size"] == micro * accum * data  # the docs' JSON is consistent
+  fp16, opt = ds["fp16"], ds["optimizer"]["params"]
+  sched, zero = ds["scheduler"]["params"], ds["zero_optimization"]
+  assert fp16["enabled"] is True and fp16["loss_scale"] == 0  # 0: dynamic
+  return {"train.batch_size": micro * accum * data, "train.grad_accum": accum,
+          "train.clip_norm": ds["gradient_clipping"], "precision.compute_dtype": "float16",
+          "precision.loss_scale": "dynamic",
+          "precision.initial_scale": 2.0 ** fp16["initial_scale_power"],
+          "precision.growth_interval": fp16["loss_scale_window"],
+          "precision.min_scale": fp16["min_loss_scale"],
+          "train.b1": opt["betas"][0], "train.b2": opt["betas"][1],
+          "train.weight_decay": opt["weight_decay"],
+          # WarmupDecayLR's warmup_max_lr is the rate it applies, not the optimizer's lr
+          "train.lr": sched["warmup_max_lr"], "train.warmup_steps": sched["warmup_num_steps"],
+          "train.steps": sched["total_num_steps"],
+          "train.min_lr_ratio": sched["warmup_min_lr"] / sched["warmup_max_lr"],
+          "parallel.zero_stage": zero["stage"],
+          "parallel.offload_optimizer": zero["offload_optimizer"]["device"] == "cpu"}
+
+
+def printed_mapping(stdout: str) -> dict:
+  """The table `--deepspeed` prints ('DeepSpeed key -> jaxpar key = value' lines) as {key: value},
+  numbers as numbers and true/false as bools."""
+  rows = re.findall(r"^  \S.*? -> ([\w.]+) = (\S+)$", stdout, re.M)
+  assert len(rows) == len(dict(rows)), rows  # no key set twice
+  return {k: _value(v) for k, v in rows}
+
+
+def _value(text: str):
+  if text in ("true", "false"):
+    return text == "true"
+  try:
+    return float(text)
+  except ValueError:
+    return text
+
+
+def test_the_documented_deepspeed_config_maps_to_the_readme_table(capsys):
+  """The mapping the docs' --deepspeed command prints, value by value (this runs its mapping in
+  process, without the training that test_docs_commands_run_in_order does)."""
+  from jaxpar.interop import deepspeed
+  cmd = next(c for c in commands("README.md") if "--deepspeed" in c)
+  argv = shlex.split(cmd)
+  mesh, ds = (argv[argv.index(flag) + 1] for flag in ("--mesh", "--deepspeed"))
+  capsys.readouterr()
+  overrides = deepspeed.cli_overrides(str(ROOT / ds), mesh, [])
+  want = deepspeed_mapping(ROOT / ds, _devices(mesh))
+  assert printed_mapping(capsys.readouterr().out) == want
+  # and the --set words it hands the trainer say the same
+  assert {k: _value(v) for k, v in (w.split("=", 1) for w in overrides)} == want
+
+
 def test_docs_commands_run_in_order(tmp_path, monkeypatch, capsys):
   for d in ("scripts", "configs"):
     os.symlink(ROOT / d, tmp_path / d)
@@ -100,7 +161,9 @@ def test_docs_commands_run_in_order(tmp_path, monkeypatch, capsys):
       assert "resuming" not in r.stdout and "nothing to train" not in r.stdout, what
       assert "steps: 4" in r.stdout, what
     if "--deepspeed" in cmd:  # the mapping it printed and what it cannot honour
-      assert "-> precision.loss_scale = dynamic" in r.stdout, what
+      words = shlex.split(cmd)
+      mesh, ds = (words[words.index(flag) + 1] for flag in ("--mesh", "--deepspeed"))
+      assert printed_mapping(r.stdout) == deepspeed_mapping(ROOT / ds, _devices(mesh)), what
       assert ("warning: deepspeed: zero_optimization.overlap_comm=true is not honoured"
               in r.stderr), what
 
