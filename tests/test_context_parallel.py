@@ -92,6 +92,28 @@ def test_context_split_matches_one_device(references, kind, shape, extra):
   assert_trees_close(params, ref[2], "parameter")
 
 
+def test_zero3_on_a_context_mesh_gathers_one_layer_at_a_time():
+  """ZeRO-3 beside a context axis (4x1x1x2) gathers each layer inside the layer scans, as without
+  one (test_zero_memory.py): read from the compiled step, each layer's shards all-gathered once in
+  the forward's loop and once in the backward's, and outside the loops nothing but the parameters
+  outside the stack (embeddings, head, final norm). Gathering the stack before the scan would move
+  the same bytes outside the loops."""
+  from jaxpar.analysis import hlo
+  from jaxpar.planning import plan
+  cfg = make_cfg("gpt", "parallel.zero_stage=3", "model.seq_len=32")
+  t = trainer(cfg, (4, 1, 1, 2))
+  text = t.lower(plan._batch_abstract(cfg)).compile().as_text()
+  nbytes = lambda tree: sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(tree))
+  stack = nbytes(t.model.abstract["layers"])
+  top = nbytes({k: v for k, v in t.model.abstract.items() if k != "layers"})
+  in_loops = hlo.collective_bytes_in_loops(text)["all-gather"]
+  total = hlo.collective_bytes(text)["all-gather"]
+  print(f"all-gather bytes: {in_loops:,} in loops, {total - in_loops:,} outside; stack {stack:,}, "
+        f"top {top:,}")
+  assert in_loops == pytest.approx(2 * stack, rel=0.01), (in_loops, stack)
+  assert total - in_loops <= top, (total, in_loops, top)
+
+
 def test_local_positions_are_the_balanced_layout():
   C, n = 4, 16
   mesh = jax.make_mesh((C,), ("context",), devices=jax.devices()[:C])
