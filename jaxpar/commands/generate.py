@@ -5,6 +5,7 @@ Also python -m jaxpar generate, or python scripts/generate.py in a checkout."""
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 from jaxpar.commands import cli
@@ -40,26 +41,32 @@ def main(argv=None) -> int:
   def body():
     shape = jmesh.parse(args.mesh)
     n = math.prod(shape)
-    if n > 1 and jmesh.ensure_cpu_devices(n):  # before JAX starts
-      print(f"jaxpar: simulating {n} CPU devices for mesh {args.mesh} "
-            f"(XLA_FLAGS=--xla_force_host_platform_device_count={n})", file=sys.stderr)
+    simulated = n > 1 and jmesh.ensure_cpu_devices(n)  # before JAX starts
     from jaxpar.interop import generate  # imports JAX: after the simulated device count is set
 
-    # before the checkpoint is read: a bad value costs no restore
+    # before the checkpoint is read, and before any other line: a bad value is one sentence
     generate.check_options(args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                           args.num_samples, args.stop_token)
+                           args.num_samples, args.stop_token, args.seed, len(prompts))
+    generate.check_mesh(shape)
+    if simulated:
+      print(f"jaxpar: simulating {n} CPU devices for mesh {args.mesh} "
+            f"(XLA_FLAGS=--xla_force_host_platform_device_count={n})", file=sys.stderr)
+    # A prompt is bytes: argv's str holds undecodable bytes as surrogates (surrogateescape),
+    # which os.fsencode turns back into those bytes.
+    raw = [os.fsencode(text) for text in prompts]
     sampler = generate.Sampler(args.workdir, shape, args.step, args.set)
-    longest = max(len(sampler.codec.encode(text)) for text in prompts)
+    longest = max(len(sampler.codec.encode(text)) for text in raw)
     note = sampler.window_note(longest, args.max_new_tokens)
     if note:
       print(f"jaxpar: {note}", file=sys.stderr)
-    texts = sampler.generate(prompts, args.max_new_tokens, args.temperature, args.top_k,
+    texts = sampler.generate(raw, args.max_new_tokens, args.temperature, args.top_k,
                              args.seed, args.num_samples, args.top_p, args.stop_token,
                              cache=not args.no_cache)
     for i, text in enumerate(texts):
       if i:
         print("\n" + "-" * 40)
-      print(prompts[i // args.num_samples] + text)
+      # the prompt shown as the samples are: invalid UTF-8 as U+FFFD
+      print(raw[i // args.num_samples].decode("utf-8", errors="replace") + text)
     return 0
   return cli.guard(body, args.debug, exit_on_signal=True)
 

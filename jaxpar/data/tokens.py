@@ -9,6 +9,7 @@ SEPARATOR = 0
 
 
 def tokenize(text: bytes | str) -> np.ndarray:
-  """UTF-8 bytes as tokens: [len] uint8."""
-  data = text.encode("utf-8") if isinstance(text, str) else text
+  """Bytes as tokens, a str as its UTF-8 bytes: [len] uint8. A str decoded from bytes with
+  surrogateescape (argv and file names on Linux) gives back those bytes."""
+  data = text.encode("utf-8", "surrogateescape") if isinstance(text, str) else text
   return np.frombuffer(data, dtype=np.uint8)

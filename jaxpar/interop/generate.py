@@ -74,12 +74,22 @@ class Codec:
       self.eos, self.vocab = end_of_text_id(self.tokenizer), self.tokenizer.get_vocab_size()
 
   def encode(self, text: bytes | str) -> np.ndarray:
-    """A prompt as the start of a document: the end-of-text id, then its tokens. (n,) int32."""
+    """A prompt as the start of a document: the end-of-text id, then its tokens. (n,) int32.
+
+    Any bytes are a prompt: byte tokens take them as they are; a tokenizer reads them as UTF-8,
+    an invalid sequence becoming U+FFFD. A str is its UTF-8 bytes (with the bytes a
+    surrogateescape decoding stands for, as in argv and file names on Linux)."""
+    if isinstance(text, str):
+      try:
+        text = text.encode("utf-8", "surrogateescape")
+      except UnicodeEncodeError as e:
+        raise ConfigError(f"the prompt holds {text[e.start]!r} at character {e.start}, a lone "
+                          f"surrogate with no UTF-8 bytes; pass the prompt as bytes") from None
     if self.tokenizer is None:
       ids = tokenize(text)
     else:
-      text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
-      ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+      ids = self.tokenizer.encode(text.decode("utf-8", errors="replace"),
+                                  add_special_tokens=False).ids
     return np.concatenate([[self.eos], ids]).astype(np.int32)
 
   def decode(self, tokens: np.ndarray) -> str:
@@ -220,7 +230,7 @@ def decode_fn(cfg: jconfig.Config, n_prompt: int, n_new: int, batch: int, cache:
   return run
 
 
-def _check_mesh(mesh_shape) -> None:
+def check_mesh(mesh_shape) -> None:
   """Decoding has no context-parallel form: a context axis is one sentence."""
   c = jmesh.normalize(mesh_shape)[3]
   if c > 1:
@@ -246,7 +256,7 @@ class Sampler:
       raise ConfigError(f"the checkpoint of step {self.step} in {directory} has no config")
     cfg = _overridden(jconfig.from_dict(stored), overrides)
     _check_kind(cfg)
-    _check_mesh(mesh_shape)
+    check_mesh(mesh_shape)
     trainer = loop.prepare(cfg, mesh_shape)
     # The parameters alone, in the checkpoint's (model) order: the optimizer state is never read.
     with checkpoint.readable(directory, self.step, export.STEP_REMEDY):
@@ -261,7 +271,7 @@ class Sampler:
     shardings here), or over freshly initialised ones (`seed`) when params is None. The mesh
     takes the first devices it needs."""
     _check_kind(cfg)
-    _check_mesh(mesh_shape)
+    check_mesh(mesh_shape)
     n = int(np.prod(mesh_shape))
     jmesh.check(mesh_shape, cfg, min(n, len(jax.devices())))
     trainer = Trainer(cfg, jmesh.make(mesh_shape, jax.devices()[:n]), jmodel.decoder(cfg))
@@ -303,9 +313,11 @@ class Sampler:
             f"model.seq_len={T}: a row whose window is full continues from its last {keep} "
             f"tokens, re-encoded at positions 0-{keep - 1}")
 
-  def _check(self, max_new_tokens, temperature, top_k, top_p, num_samples, stop_token) -> int:
+  def _check(self, max_new_tokens, temperature, top_k, top_p, num_samples, stop_token, seed,
+             prompts) -> int:
     """check_options, and the bounds set by the vocabulary; returns the stop token id (-1: none)."""
-    check_options(max_new_tokens, temperature, top_k, top_p, num_samples, stop_token)
+    check_options(max_new_tokens, temperature, top_k, top_p, num_samples, stop_token, seed,
+                  prompts)
     if top_k > self.codec.vocab:
       raise ConfigError(f"--top-k={top_k} must be between 0 (off) and {self.codec.vocab}")
     if stop_token is None:
@@ -325,7 +337,9 @@ class Sampler:
     stop_token: None = end-of-text; -1 = none. A row stops at its first stop token, which is
     kept, and the rest of the row repeats it. cache False: the full-recompute reference.
     """
-    stop = self._check(max_new_tokens, temperature, top_k, top_p, num_samples, stop_token)
+    prompts = list(prompts)
+    stop = self._check(max_new_tokens, temperature, top_k, top_p, num_samples, stop_token, seed,
+                       len(prompts))
     prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
     if not prompts or min(len(p) for p in prompts) == 0:
       raise ConfigError("every prompt needs at least one token")
@@ -371,22 +385,46 @@ class Sampler:
     return [self.codec.decode(row[:_first(row, stop)]) for row in out]
 
 
+# Caps on a request, checked before anything is read. The token buffer is (rows, prompt +
+# max_new_tokens + seq_len) int32, and a row's positions are int32: 2**20 new tokens keep a row's
+# buffer at 4 MiB. The rows (prompts x samples) and their new tokens together are capped too, so
+# the (rows, max_new_tokens) result stays within 64 MiB.
+MAX_NEW_TOKENS = 1 << 20
+MAX_ROWS = 1 << 12
+MAX_TOKENS = 1 << 24
+SEED_RANGE = 1 << 32  # a key takes 32 bits of the seed (without jax_enable_x64): 2**32 is seed 0
+INT32_MAX = (1 << 31) - 1  # token ids and top-k reach the loop as int32
+
+
 def check_options(max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-                  num_samples: int, stop_token: int | None) -> None:
-  """The sampling options that need no model, each refused with one sentence (ConfigError)."""
-  if max_new_tokens < 0:
-    raise ConfigError(f"--max-new-tokens={max_new_tokens} must not be negative")
+                  num_samples: int, stop_token: int | None, seed: int = 0,
+                  prompts: int = 1) -> None:
+  """The sampling options that need no model, each refused with one sentence (ConfigError);
+  `prompts`: how many are sampled together."""
+  if not 0 <= max_new_tokens <= MAX_NEW_TOKENS:
+    raise ConfigError(f"--max-new-tokens={max_new_tokens} must be between 0 and {MAX_NEW_TOKENS}")
   if not temperature >= 0 or temperature == float("inf"):  # nan too
     raise ConfigError(f"--temperature={temperature} must be a finite number, not negative "
                       f"(0 = greedy)")
-  if top_k < 0:
+  if not 0 <= top_k <= INT32_MAX:
     raise ConfigError(f"--top-k={top_k} must be between 0 (off) and the vocabulary size")
   if not 0 < top_p <= 1:  # nan too
     raise ConfigError(f"--top-p={top_p} must be above 0 and at most 1 (1 = off)")
-  if num_samples < 1:
-    raise ConfigError(f"--num-samples={num_samples} must be positive")
-  if stop_token is not None and stop_token < -1:
+  if not 1 <= num_samples <= MAX_ROWS:
+    raise ConfigError(f"--num-samples={num_samples} must be between 1 and {MAX_ROWS}")
+  rows = prompts * num_samples
+  if rows > MAX_ROWS:
+    raise ConfigError(f"{prompts} prompts x --num-samples={num_samples} make {rows} rows, more "
+                      f"than the {MAX_ROWS} sampled at once")
+  if rows * max_new_tokens > MAX_TOKENS:
+    raise ConfigError(f"{rows} rows x --max-new-tokens={max_new_tokens} make "
+                      f"{rows * max_new_tokens} new tokens, more than the {MAX_TOKENS} of one "
+                      f"request; ask for fewer tokens or rows")
+  if stop_token is not None and not -1 <= stop_token <= INT32_MAX:
     raise ConfigError(f"--stop-token={stop_token} must be a token id (0 or more), or -1 for none")
+  if not 0 <= seed < SEED_RANGE:
+    raise ConfigError(f"--seed={seed} must be between 0 and {SEED_RANGE - 1} (a key takes "
+                      f"32 bits of it)")
 
 
 def _bucket(n: int) -> int:
