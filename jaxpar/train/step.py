@@ -14,6 +14,7 @@ outside, on whatever shards the state has.
 """
 from __future__ import annotations
 
+import collections
 import os
 from typing import Any
 
@@ -50,6 +51,10 @@ def _manual_only(spec: P, manual: frozenset) -> P:
   """The part of a spec that a shard_map manual over `manual` may name."""
   return P(*(a if a in manual else None for a in spec))
 
+
+# Trainer.step's default bound on the steps dispatched and unfinished at once: the host prepares
+# and dispatches step n + 1 while step n runs, and never runs further ahead than that.
+IN_FLIGHT = 2
 
 # What the step reports itself; loss_fn's metrics may not take these names.
 STEP_METRICS = ("loss", "grad_norm", "learning_rate", "grads", "skipped", "loss_scale")
@@ -109,14 +114,22 @@ class Trainer:
 
   def __init__(self, cfg: Config, mesh, model: ModelDef, expose_grads: bool = False,
                tx: optax.GradientTransformation | None = None, frozen: Any = None,
-               decay_mask: Any = None, rules: Any = None):
+               decay_mask: Any = None, rules: Any = None, in_flight: int | None = IN_FLIGHT):
     """`tx`: an optax transformation of your own in place of the config's AdamW (the config's
     train.lr, warmup, clipping and weight decay then play no part). `frozen`: the parameters that
     never change, a predicate on the path ('emb/embedding') or a tree of bools; they hold no
     optimizer state and count in neither the clipping norm nor the logged grad_norm.
     `decay_mask`: which parameters the config's AdamW decays (same forms), instead of the
     matrices read off the logical axes. `rules`: the logical axis -> mesh axis table in place of
-    jaxpar's (`jaxpar.rules.extended({'hidden': 'model'})` adds a name or changes a row)."""
+    jaxpar's (`jaxpar.rules.extended({'hidden': 'model'})` adds a name or changes a row).
+    `in_flight`: how many of `step`'s steps may be dispatched and unfinished at once (None: no
+    bound; see `step`)."""
+    if in_flight is not None and (isinstance(in_flight, bool) or not isinstance(in_flight, int)
+                                  or in_flight < 1):
+      raise ConfigError(f"in_flight={in_flight!r} must be a whole number of steps, at least 1 "
+                        f"(or None for no bound)")
+    self.in_flight = in_flight
+    self._pending: collections.deque = collections.deque()  # a leaf of each unfinished step
     # parameters are stored in precision.param_dtype whatever dtype the model creates them in
     model = jmodel.stored_as(model, precision.param_dtype(cfg.precision))
     self.cfg, self.mesh, self.model = cfg, mesh, model
@@ -527,7 +540,13 @@ class Trainer:
       return self.jitted(batch_abstract).lower(state, batch_abstract)
 
   def step(self, state: dict, batch: dict) -> tuple[dict, dict]:
-    """Runs one step, compiling on first use of each batch shape (e.g. a shorter last batch)."""
+    """Runs one step, compiling on first use of each batch shape (e.g. a shorter last batch).
+
+    Steps run asynchronously, but at most `in_flight` (default IN_FLIGHT) at once: before step n
+    is dispatched, step n - in_flight is waited for, which is already over unless the host has
+    run that far ahead (no transfer either way). A loop that never reads a result would
+    otherwise queue steps without end: on XLA:CPU with several simulated devices on few cores
+    that aborts in a collective's 40 s rendezvous timeout."""
     if not isinstance(state, dict) or "params" not in state:
       raise ValueError(f"the state is {type(state).__name__}, not the dict Trainer.init (or "
                        f"init_with, restore) returns; make one with Trainer.init(seed) first")
@@ -539,8 +558,15 @@ class Trainer:
     key = (tdef, tuple((a.shape, a.dtype) for a in leaves))
     if key not in self._steps:
       self._steps[key] = self.lower(abstract).compile()
+    if self.in_flight is not None:
+      while len(self._pending) >= self.in_flight:
+        self._pending.popleft().block_until_ready()
     with jax.set_mesh(self.mesh):
-      return self._steps[key](state, batch)
+      new, metrics = self._steps[key](state, batch)
+    if self.in_flight is not None:
+      # A step's outputs are ready together; its loss is one the next step does not donate.
+      self._pending.append(metrics["loss"])
+    return new, metrics
 
   def check_batch(self, batch_abstract: Any, accum: bool = True) -> None:
     """Every batch leaf's leading axis must split into the data shards, the accumulated
