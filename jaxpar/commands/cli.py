@@ -49,6 +49,7 @@ def setup(args, processes: int = 1) -> tuple[jconfig.Config, tuple[int, ...]]:
   shape = jmesh.parse(args.mesh)
   cfg = kinds.check(jconfig.load(args.config, args.set, base=hf_model_keys))
   n = math.prod(shape)
+  jmesh.check(shape, cfg, n)  # the degrees against the model: a refusal comes alone, first
   if n % processes:
     raise ConfigError(f"mesh {args.mesh} has {n} devices, which do not split evenly over "
                       f"{processes} processes")

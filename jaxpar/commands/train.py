@@ -6,6 +6,7 @@ import os
 import sys
 
 from jaxpar.commands import cli
+from jaxpar.config import ConfigError
 from jaxpar.parallel import distributed
 
 
@@ -41,6 +42,7 @@ def main(argv=None) -> int:
     cfg, shape = cli.setup(args, processes=spec.num_processes)
     distributed.initialize(spec)  # before anything touches the devices
     distributed.preflight(cfg, shape)
+    _not_a_users_model(os.path.join(args.workdir, "checkpoints"))
     from jaxpar.train import loop  # imports JAX: after cli.setup has set the device count
     log = print if distributed.is_main() else (lambda *a, **k: None)
     try:
@@ -52,6 +54,24 @@ def main(argv=None) -> int:
       raise
     return 0 if result.steps else 1
   return cli.guard(body, args.debug, exit_on_signal=True)
+
+
+def _not_a_users_model(directory: str) -> None:
+  """A workdir whose latest checkpoint holds a model of the user's own (jaxpar.Trainer.save) is
+  refused in one sentence before anything is built (its data under the workdir among them)."""
+  from jaxpar.train import checkpoint  # imports JAX: after cli.setup has set the device count
+  if not os.path.isdir(directory):
+    return
+  with checkpoint.Checkpointer(directory, keep=1, every=0) as reader:
+    step = reader.latest_step()
+  if step is None:
+    return
+  with checkpoint.readable(directory, step, checkpoint.RESUME_REMEDY):
+    extra = checkpoint.read_extra(directory, step)
+  if checkpoint.users_model(extra):
+    raise ConfigError(f"the checkpoint of step {step} in {directory} holds a model of your own; "
+                      f"jaxpar-train trains jaxpar's own model kinds only: go on with "
+                      f"jaxpar.Trainer.load in your own loop, or use another --workdir")
 
 
 if __name__ == "__main__":
