@@ -132,7 +132,11 @@ def test_frozen_with_the_configs_adamw_keeps_them_bit_identical_and_out_of_the_n
   t = trainer("2x1x1", "train.lr=1e-2", "train.warmup_steps=0", frozen=frozen_emb)
   full = trainer("1x1x1", "train.lr=1e-2", "train.warmup_steps=0", expose_grads=True)
   before = jax.tree_util.tree_map(np.array, jax.device_get(full.init(0)["params"]))  # writable
-  before["emb"]["embedding"][0] = -0.0  # stays negative (in IEEE arithmetic -0.0 + 0.0 is +0.0)
+  # -0.0 stays negative. This does not show the step's restore of frozen leaves at work: without
+  # it they get p + 0 (with_frozen's zero update), which XLA folds to p, so -0.0, NaN payloads and
+  # denormals all came through unchanged with the restore removed (1x1x1, 2x1x1, 8x1x1 ZeRO-3).
+  # What keeps them is that zero update, checked on its own below.
+  before["emb"]["embedding"][0] = -0.0
   ref, state = full.init_with(before), t.init_with(before)
   _, m_ref = full.step(ref, batch())
   for _ in range(3):
@@ -145,6 +149,59 @@ def test_frozen_with_the_configs_adamw_keeps_them_bit_identical_and_out_of_the_n
   after = jax.device_get(state["params"])
   assert after["emb"]["embedding"].tobytes() == before["emb"]["embedding"].tobytes()
   assert not np.array_equal(after["head"]["kernel"], before["head"]["kernel"])
+  # the optimizer itself: given gradients of ones (the step zeroes a frozen leaf's, so these are
+  # what it would see if that went wrong), AdamW with its weight decay moves every trainable
+  # leaf and gives the frozen embedding an update of exactly zero
+  params = jax.device_get(t.init_with(before)["params"])
+  ones = jax.tree_util.tree_map(np.ones_like, params)
+  updates, _ = t.tx.update(ones, t.tx.init(params), params)
+  for path, u in jax.tree_util.tree_leaves_with_path(jax.device_get(updates)):
+    if jax.tree_util.keystr(path).startswith("['emb']"):
+      assert not np.any(u), path
+    else:
+      assert np.all(u != 0), path
+
+
+def traced_bytes(jaxpr, acc=None) -> dict:
+  """{primitive name: bytes of its results} over a jaxpr and every jaxpr inside it (shard_map's,
+  custom_vjp's, scan's bodies), each counted once."""
+  import jax.extend.core as jcore
+  acc = {} if acc is None else acc
+  subs = lambda v: ([v.jaxpr] if isinstance(v, jcore.ClosedJaxpr) else [v] if isinstance(
+      v, jcore.Jaxpr) else [j for x in v for j in subs(x)] if isinstance(v, (list, tuple)) else [])
+  for e in jaxpr.eqns:
+    acc[e.primitive.name] = acc.get(e.primitive.name, 0) + sum(
+        int(np.prod(o.aval.shape)) * o.aval.dtype.itemsize for o in e.outvars
+        if hasattr(o.aval, "shape"))
+    for v in e.params.values():
+      for j in subs(v):
+        traced_bytes(j, acc)
+  return acc
+
+
+def test_no_backward_into_a_frozen_embedding_at_zero3():
+  """At ZeRO-3 the step's program (its jaxpr, before XLA) has no backward into a frozen embedding:
+  its reduce-scatter (the transpose of its all-gather) and the embedding's scatter-add gradient
+  are gone, and the compiled step moves one embedding shard less. XLA would drop that gradient
+  anyway, since the step zeroes it, so the compiled bytes alone cannot tell; the jaxpr can."""
+  from jaxpar.analysis import hlo
+  b = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch())
+  traced, compiled = {}, {}
+  for name, frozen in (("all", None), ("frozen", frozen_emb)):
+    t = trainer("8x1x1", "parallel.zero_stage=3", frozen=frozen)
+    state = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                   t.abstract_state, t.state_shardings)
+    with jax.set_mesh(t.mesh):
+      traced[name] = traced_bytes(t.jitted(b).trace(state, b).jaxpr.jaxpr)
+    compiled[name] = hlo.collective_bytes(t.lower(b).compile().as_text())["reduce-scatter"]
+  emb = t.model.abstract["emb"]["embedding"]
+  emb_bytes = int(np.prod(emb.shape)) * emb.dtype.itemsize  # (V, D) float32
+  print({k: {p: v[p] for p in ("reduce_scatter", "scatter-add")} for k, v in traced.items()},
+        compiled)
+  assert traced["all"]["reduce_scatter"] - traced["frozen"]["reduce_scatter"] == emb_bytes // 8
+  # the embedding lookup's gradient: one (V, D) scatter-add per data shard
+  assert traced["all"]["scatter-add"] - traced["frozen"]["scatter-add"] == emb_bytes
+  assert compiled["all"] - compiled["frozen"] == emb_bytes // 8
 
 
 def test_decay_mask_overrides_the_logical_axes():

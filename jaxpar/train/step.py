@@ -392,9 +392,6 @@ class Trainer:
                 if model.takes_rng and sched is None and step is not None else None)
 
     def local(params, batch):
-      if self.frozen is not None:  # no backward into frozen parameters (nor ZeRO-3 reduce-scatter)
-        params = jax.tree_util.tree_map(lambda x, f: jax.lax.stop_gradient(x) if f else x,
-                                        params, self.frozen)
       if data_sharded and vma:  # differentiate a per-shard copy: the reduction below is then the
         # only one, in float32 (zero.in_float32). At stage 3 that is the leaves too small to
         # shard; the others are summed by the transpose of their all-gathers.
@@ -422,6 +419,10 @@ class Trainer:
           rng = {"rng": jmodel.at_rows(jax.random.wrap_key_data(key_data), first, ring)}
 
         def scaled(p):
+          if self.frozen is not None:  # no backward into frozen parameters (nor ZeRO-3's
+            # reduce-scatter): inside the differentiated function, or it would stop nothing
+            p = jax.tree_util.tree_map(lambda x, f: jax.lax.stop_gradient(x) if f else x, p,
+                                       self.frozen)
           loss, aux = _over_context(*_as_float_weight(*model.loss(p, mb, ctx, **rng)), manual)
           if WEIGHT in aux:  # this piece's sums, not its means (see WEIGHT)
             loss, aux = _weighed(loss, aux)
