@@ -36,8 +36,10 @@ EXIT_FAILED = 1  # the processes could not be joined, or lost one another
 
 # Launchers that say how many processes run and which one this is; with an explicit coordinator
 # they fill in what the flags leave out (e.g. Open MPI 5, which JAX's own detection does not know).
-_LAUNCHER_VARS = (("SLURM_NTASKS", "SLURM_PROCID"),
-                  ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"), ("PMI_SIZE", "PMI_RANK"))
+# SLURM's come last: mpirun or mpiexec in a batch script hands every rank the batch step's
+# SLURM_PROCID=0 beside its own rank.
+_LAUNCHER_VARS = (("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"), ("PMI_SIZE", "PMI_RANK"),
+                  ("SLURM_NTASKS", "SLURM_PROCID"))
 _CLUSTER_NAMES = {"slurm": "SLURM", "ompi": "Open MPI", "gcetpu": "Cloud TPU",
                   "gketpu": "Cloud TPU", "K8sCluster": "Kubernetes"}
 
