@@ -45,6 +45,23 @@ class ModelConfig:
   # outputs, in training only; its masks follow each step's key (train.seed, the step) and the
   # global batch row, so every layout draws the same ones. In [0, 1); not with a pipeline.
   dropout: float = 0.0
+  # gpt, llama: mixture of experts (models/moe.py). n_experts=0: a dense MLP in every block.
+  # Otherwise each block's MLP is n_experts experts of width moe_d_ff (0 = d_ff), each token sent
+  # to experts_per_token of them by a router; shared_experts always-on experts (one dense MLP of
+  # their summed width) are added to every token (DeepSeek, Qwen2-MoE without its gate).
+  # router_softmax: after_topk = the softmax over the k chosen logits (Mixtral's softmax, top-k,
+  # renormalise; Qwen2/3-MoE with norm_topk_prob) | before_topk = the softmax over all experts,
+  # the k chosen probabilities kept as they are (Qwen2-MoE's default, DeepSeek-V2, Switch).
+  # capacity_factor: 0 = dropless; > 0 = each expert takes at most ceil(factor x tokens x k / E)
+  # of a device's tokens, the rest pass by on the residual. moe_every: only 1 so far (the layer
+  # scan runs identical layers).
+  n_experts: int = 0
+  experts_per_token: int = 2
+  moe_every: int = 1
+  shared_experts: int = 0
+  moe_d_ff: int = 0
+  router_softmax: str = "after_topk"
+  capacity_factor: float = 0.0
   num_classes: int = 10  # cnn only
 
 
@@ -112,6 +129,11 @@ class TrainConfig:
   # (<cache>/jaxpar-steps): past it the least recently used entries go first. 0 = no bound (JAX's
   # own default); $JAX_COMPILATION_CACHE_MAX_SIZE, where set, bounds JAX's programs instead.
   compile_cache_max_gb: float = 10.0
+  # mixture of experts: weights of the router's load-balancing loss (Switch/Mixtral: n_experts x
+  # sum over experts of token fraction x mean router probability) and z-loss (ST-MoE: mean squared
+  # log-sum-exp of the router logits), added to the training loss
+  moe_aux_weight: float = 0.01
+  moe_z_weight: float = 0.001
 
 
 @dataclass(frozen=True)
@@ -169,6 +191,7 @@ _CHOICES = {
     "parallel.schedule": ("gpipe", "circular", "1f1b"),
     "parallel.remat": ("none", "full", "dots_saveable", "offload"),
     "parallel.context_attention": ("auto", "ring", "allgather"),
+    "model.router_softmax": ("after_topk", "before_topk"),
     "precision.param_dtype": _DTYPES,
     "precision.compute_dtype": ("auto",) + _DTYPES,
 }
@@ -177,14 +200,17 @@ _POSITIVE = ("model.n_layers", "model.d_model", "model.n_heads", "model.d_ff", "
              "train.grad_accum", "train.log_every",
              "parallel.virtual_stages", "checkpoint.keep", "precision.initial_scale",
              "precision.growth_interval", "precision.min_scale", "model.norm_eps", "model.rope_theta",
-             "train.spike_steps", "train.spike_window")
+             "train.spike_steps", "train.spike_window", "model.experts_per_token",
+             "model.moe_every")
 _BELOW_ONE = ("train.b1", "train.b2", "model.dropout")  # in [0, 1): Adam's betas, dropout
 _FRACTION = ("train.min_lr_ratio",)  # in [0, 1]: the final learning rate, a fraction of the peak
 _NON_NEGATIVE = ("model.n_kv_heads", "model.max_positions", "parallel.microbatches", "train.warmup_steps", "train.weight_decay", "train.clip_norm",
                  "checkpoint.every", "data.max_bytes", "train.lr", "data.workers",
                  "train.eval_every", "train.eval_steps", "train.max_rollbacks",
                  "train.stall_timeout", "train.first_step_timeout", "train.peer_timeout",
-                 "train.compile_cache_max_gb")
+                 "train.compile_cache_max_gb", "model.n_experts", "model.shared_experts",
+                 "model.moe_d_ff", "model.capacity_factor", "train.moe_aux_weight",
+                 "train.moe_z_weight")
 
 
 def _field_types(cls) -> dict[str, Any]:
@@ -279,12 +305,33 @@ def validate(cfg: Config) -> Config:
   if cfg.parallel.zero_stage not in (0, 1, 2, 3):
     raise ConfigError(f"config key parallel.zero_stage={cfg.parallel.zero_stage} must be 0, 1, 2 or 3")
   _check_loss_scale(cfg.precision)
+  _check_experts(cfg.model)
   if cfg.train.batch_size % cfg.train.grad_accum:
     raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not divisible by "
                       f"train.grad_accum={cfg.train.grad_accum}")
   if cfg.data.source == "tfds" and not cfg.data.name:
     raise ConfigError("data.source=tfds needs data.name (a TFDS dataset name, e.g. lm1b)")
   return cfg
+
+
+_MOE_KEYS = ("experts_per_token", "moe_every", "shared_experts", "moe_d_ff", "router_softmax",
+             "capacity_factor")
+
+
+def _check_experts(mc: ModelConfig) -> None:
+  if not mc.n_experts:
+    dense = ModelConfig()
+    for name in _MOE_KEYS:
+      if getattr(mc, name) != getattr(dense, name):
+        raise ConfigError(f"config key model.{name}={getattr(mc, name)!r} needs "
+                          f"model.n_experts > 0 (a mixture of experts)")
+    return
+  if mc.experts_per_token > mc.n_experts:
+    raise ConfigError(f"config key model.experts_per_token={mc.experts_per_token} is more than "
+                      f"model.n_experts={mc.n_experts}")
+  if mc.moe_every != 1:
+    raise ConfigError(f"config key model.moe_every={mc.moe_every} is not supported: the layer "
+                      "scan runs identical layers, so every layer is a mixture of experts; use 1")
 
 
 def _check_loss_scale(pc: PrecisionConfig) -> None:

@@ -51,8 +51,9 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("llama", "jaxpar.models.llama", decoder=True, hf_architecture="LlamaForCausalLM",
          problems=_llama_problems),
     Kind("cnn", "jaxpar.models.cnn", decoder=False,
-         problems=lambda m: [f"model.dropout={m.dropout} is for the decoders (gpt, llama); the "
-                             "cnn has none, use 0"] if m.dropout else []),
+         problems=lambda m: [f"model.{k}={getattr(m, k)} is for the decoders (gpt, llama); the "
+                             "cnn has none, use 0" for k in ("dropout", "n_experts")
+                             if getattr(m, k)]),
 )}
 DECODERS = tuple(name for name, k in KINDS.items() if k.decoder)
 

@@ -86,6 +86,8 @@ def check(shape, cfg: Config, n_devices: int) -> None:
       if value % m:
         problems.append(f"{name}={value} is not divisible by model={m}")
     stages = p * (pc.virtual_stages if pc.schedule == "circular" else 1)
+    if mc.n_experts:
+      problems += _expert_problems(mc, d, m, p)
     if mc.n_layers % stages:
       problems.append(f"model.n_layers={mc.n_layers} is not divisible by {stages} pipeline stages")
     if p > 1 and mc.dropout > 0:
@@ -105,6 +107,22 @@ def check(shape, cfg: Config, n_devices: int) -> None:
     problems += _context_problems(cfg, c, p, decoder)
   if problems:
     raise ConfigError(f"mesh {spec} ({named}) does not fit: " + "; ".join(problems))
+
+
+def _expert_problems(mc, d: int, m: int, p: int) -> list[str]:
+  """What a mixture of experts needs: experts split evenly over `data` (expert parallelism, the
+  rules' `expert` row), the experts' width over `model`, no pipeline."""
+  problems = []
+  if mc.n_experts % d:
+    problems.append(f"model.n_experts={mc.n_experts} is not divisible by data={d}, which splits "
+                    "the experts (expert parallelism)")
+  if mc.moe_d_ff % m:  # the shared experts' width is a multiple of it; d_ff is checked above
+    problems.append(f"model.moe_d_ff={mc.moe_d_ff} is not divisible by model={m}")
+  if p > 1:
+    problems.append(f"model.n_experts={mc.n_experts} is not supported with a pipeline "
+                    f"(pipeline={p}): the schedule does not carry the router's losses between "
+                    "stages; use pipeline=1")
+  return problems
 
 
 def context_attention(choice: str, pipelined: bool) -> str:
