@@ -67,6 +67,7 @@ class _Plan:
     self.offset = process_index * self.local
     self.steps_per_epoch = len(windows) // global_batch
     self._epoch, self._order = -1, None
+    self._full = None  # epoch 0's whole order (padded)
 
   def order(self, epoch: int) -> np.ndarray:
     """Shuffled window indices of an epoch, remainder dropped: [steps_per_epoch * global_batch]."""
@@ -80,6 +81,22 @@ class _Plan:
     start = position * self.global_batch + self.offset
     rows = self.order(epoch)[start:start + self.local]
     return self.windows[rows].astype(np.int32)
+
+  def whole(self) -> int:
+    """Batches that cover every window once, the last one padded (`padded`)."""
+    return -(-len(self.windows) // self.global_batch)
+
+  def padded(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+    """Batch `position` of epoch 0's order with the remainder kept: (this process's share
+    [local, seq_len + 1] int32, weight [local] float32, 0 on rows past the split's end, which
+    repeat its first window). The first steps_per_epoch are `batch(0, position)`."""
+    if self._full is None:
+      self._full = shuffled(len(self.windows), np.random.default_rng([self.seed, 0]))
+    start = position * self.global_batch + self.offset
+    rows = self._full[start:start + self.local]
+    weight = (np.arange(self.local) < len(rows)).astype(np.float32)
+    rows = np.concatenate([rows, np.full(self.local - len(rows), self._full[0], rows.dtype)])
+    return self.windows[rows].astype(np.int32), weight
 
   def after(self, epoch: int, position: int) -> tuple[int, int]:
     position += 1
@@ -137,6 +154,15 @@ class BatchIterator:
   @property
   def steps_per_epoch(self) -> int:
     return self._plan.steps_per_epoch
+
+  @property
+  def whole_split_steps(self) -> int:
+    """Padded batches that cover every window (the last one partly padding)."""
+    return self._plan.whole()
+
+  def padded_batch(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+    """(batch, weight) `position` of the whole split in epoch 0's order (_Plan.padded)."""
+    return self._plan.padded(position)
 
   def __iter__(self):
     return self
@@ -233,6 +259,14 @@ class TokenBatches:
   def next(self) -> dict:
     return {"tokens": self._it.next()}
 
+  @property
+  def whole_split_steps(self) -> int:
+    return self._it.whole_split_steps
+
+  def padded_batch(self, position: int) -> tuple[dict, np.ndarray]:
+    tokens, weight = self._it.padded_batch(position)
+    return {"tokens": tokens}, weight
+
   def __iter__(self):
     return self
 
@@ -254,7 +288,9 @@ def make_loader(cfg, workdir: str, process_index: int = 0, process_count: int = 
   """Dict batches of `split` (default data.split) for one process, for any data.source.
 
   The result has next() -> {name: [global_batch // process_count, ...] array}, `element_spec`
-  ({name: (shape, dtype)} of those arrays), `steps_per_epoch`, state(), restore() and close().
+  ({name: (shape, dtype)} of those arrays), `steps_per_epoch`, state(), restore() and close();
+  for evaluation, `whole_split_steps` and padded_batch(k) -> (batch, weight [local] float32):
+  batch k of epoch 0 with the remainder kept, rows past the split's end weight 0.
   `train=False` turns augmentation off. Bad data settings raise ConfigError.
   """
   split = split or cfg.data.split

@@ -220,7 +220,8 @@ class Batches:
                local_batch: int, seed: int, element_spec: dict, what: str,
                transform: Callable[[dict, np.random.Generator], dict] | None = None,
                workers: int = 2, prefetch: int = 4, shard_index: int = 0, shard_count: int = 1,
-               shared: bool = False):
+               shared: bool = False, records: int | None = None):
+    # records: the split's size (every shard's records), which sets whole_split_steps
     # shared: the "shard" is the whole split, and this process takes its contiguous part of each
     # global batch (shard_count parts), so the order does not depend on the process count.
     self._stride = local_batch * shard_count if shared else local_batch
@@ -229,6 +230,10 @@ class Batches:
     if self.steps_per_epoch == 0:
       raise ConfigError(f"{what} gives each process {records_per_host} examples, fewer than its "
                         f"batch of {local_batch}; lower train.batch_size or use a larger split")
+    records = records_per_host * shard_count if records is None else records
+    # Shards differ by at most one record: the largest, ceil(records / shard_count), takes
+    # ceil(records / global batch) batches, which every process runs.
+    self.whole_split_steps = -(-records // (local_batch * shard_count))
     self.element_spec = element_spec  # name -> (shape, dtype) of this process's batch
     self._read, self._transform = read, transform
     self._shard_size, self._local, self._seed = shard_size, local_batch, seed % 2**32
@@ -262,6 +267,20 @@ class Batches:
       rng = np.random.default_rng([self._seed, epoch, position, 1, self._shard_index])
       out = self._transform(out, rng)
     return out
+
+  def padded_batch(self, k: int) -> tuple[dict, np.ndarray]:
+    """Batch k of epoch 0 with the remainder kept: (batch, weight [local] float32), rows past
+    the shard's end repeating its first record at weight 0. The first steps_per_epoch are
+    `batch(k)`."""
+    order = self._order(0)
+    start = k * self._stride + self._offset
+    keys = order[start:start + self._local]
+    weight = (np.arange(self._local) < len(keys)).astype(np.float32)
+    keys = np.concatenate([keys, np.full(self._local - len(keys), order[0], order.dtype)])
+    out = self._read(keys)
+    if self._transform is not None:
+      out = self._transform(out, np.random.default_rng([self._seed, 0, k, 1, self._shard_index]))
+    return out, weight
 
   def next(self) -> dict:
     """The next batch: arrays shaped as element_spec."""
@@ -324,7 +343,8 @@ def _text_batches(ds: Dataset, source, cfg, global_batch: int, shard, workers: i
                  len(windows) // shard.shard_count, local, cfg.train.seed,
                  {"tokens": ((local, seq + 1), np.dtype(np.int32))},
                  f"{what} ({len(windows)} windows of {seq + 1} tokens)", workers=workers,
-                 shard_index=shard.shard_index, shard_count=shard.shard_count, shared=True)
+                 shard_index=shard.shard_index, shard_count=shard.shard_count, shared=True,
+                 records=len(windows))
 
 
 def _image_batches(ds: Dataset, source, cfg, global_batch: int, shard, train: bool,
@@ -362,7 +382,7 @@ def _image_batches(ds: Dataset, source, cfg, global_batch: int, shard, train: bo
           "label": ((local,), np.dtype(np.int32))}
   return Batches(read, hi - lo, len(source) // shard.shard_count, local, cfg.train.seed, spec, what,
                  transform=transform, workers=workers, shard_index=shard.shard_index,
-                 shard_count=shard.shard_count)
+                 shard_count=shard.shard_count, records=len(source))
 
 
 def make_batches(cfg, split: str, process_index: int = 0, process_count: int = 1,

@@ -188,16 +188,33 @@ class Rollbacks:
 
 class Evaluation:
   """Every train.eval_every steps: mean loss and metrics over the first train.eval_steps batches
-  of data.eval_split, through the step's own sharded path and layer order."""
+  of data.eval_split, through the step's own sharded path and layer order. train.eval_steps=0
+  (or as many batches as the split holds) is every example: the last batch is padded to the
+  batch's shape and its padding weighs 0 (Trainer.eval_weighted), and each batch counts by its
+  examples (or their loss_weight)."""
+  WEIGHT = "loss_weight"  # train/step.py's WEIGHT: a loss's own weight of its batch
 
   def __init__(self, cfg: jconfig.Config, trainer, evals, batch_abstract: dict,
                batch_sharding: dict, split: jmetrics.TimeSplit):
     self.cfg, self.trainer, self.evals, self.split = cfg, trainer, evals, split
     self.batch_abstract, self.batch_sharding = batch_abstract, batch_sharding
-    self.step_fn = None
+    self.step_fn = self.weighted_fn = None
 
   def due(self, step: int) -> bool:
     return self.evals is not None and step % self.cfg.train.eval_every == 0
+
+  def _batch(self, params, k: int, full: int) -> dict:
+    """Batch k's figures and its 'examples' (the global rows of weight 1): the first `full`
+    from the loader's batches, the one past them padded (the split's remainder)."""
+    if k < full:
+      out = self.step_fn(params, global_batch(self.evals.next(), self.batch_sharding))
+      return {**out, "examples": self.cfg.train.batch_size}
+    if self.weighted_fn is None:
+      self.weighted_fn = self.trainer.eval_jitted(self.batch_abstract, weighted=True)
+    batch, weight = self.evals.padded_batch(k)
+    rows = next(iter(self.batch_sharding.values()))  # split over `data` like every batch leaf
+    return self.weighted_fn(params, global_batch(batch, self.batch_sharding),
+                            jax.make_array_from_process_local_data(rows, weight))
 
   def __call__(self, step: int, state: dict, metrics: dict, watchdog: Watchdog,
                rate: Throughput) -> dict:
@@ -210,13 +227,17 @@ class Evaluation:
         self.step_fn = self.trainer.eval_jitted(self.batch_abstract)
       evals = self.evals
       evals.restore({"epoch": 0, "position": 0})  # the same batches every time, so evals compare
-      n = min(self.cfg.train.eval_steps or evals.steps_per_epoch, evals.steps_per_epoch)
-      outs = jax.device_get([self.step_fn(state["params"],
-                                          global_batch(evals.next(), self.batch_sharding))
-                             for _ in range(n)])
+      whole = evals.whole_split_steps
+      n = min(self.cfg.train.eval_steps or whole, whole)
+      full = min(n, evals.steps_per_epoch)
+      outs = jax.device_get([self._batch(state["params"], k, full) for k in range(n)])
       evals.close()
     rate.exclude(time.perf_counter() - t)
-    return {f"eval_{k}": float(np.mean([o[k] for o in outs])) for k in outs[0]}
+    # Batches weigh by their examples, or by their loss_weight where the loss has one.
+    w = np.array([float(o.get(self.WEIGHT, o["examples"])) for o in outs])
+    mean = lambda k: float(np.sum(w * np.array([float(o[k]) for o in outs])) / max(w.sum(), 1e-30))
+    return {f"eval_{k}": float(np.mean([o[k] for o in outs])) if k == self.WEIGHT else mean(k)
+            for k in outs[0] if k != "examples"}
 
   def close(self) -> None:
     if self.evals is not None:

@@ -314,15 +314,18 @@ class Trainer:
           (CONTEXT, self.context > 1))
     return data_sharded, frozenset(a for a, yes in on if yes)
 
-  def _sharded(self, local, params, batch, out_specs):
+  def _sharded(self, local, params, batch, out_specs, rows=None):
     """`local(params, batch)` inside a shard_map manual over `_manual()` axes (or as it is)."""
     with jrules.use(self.rules):  # the model's activation constraints read the trainer's table
-      return self._sharded_in(local, params, batch, out_specs)
+      return self._sharded_in(local, params, batch, out_specs, rows)
 
-  def _sharded_in(self, local, params, batch, out_specs):
+  def _sharded_in(self, local, params, batch, out_specs, rows=None):
+    """`rows`: a per-row array (B,) beside the batch, split over `data` only, passed to
+    local as a third argument."""
     _, manual = self._manual()
+    extra = () if rows is None else (rows,)
     if not manual:
-      return local(params, batch)
+      return local(params, batch, *extra)
     keep = lambda tree: jax.tree_util.tree_map(lambda spec: _manual_only(spec, manual), tree,
                                                is_leaf=lambda x: isinstance(x, P))
     batch_spec = P(zero.DATA) if zero.DATA in manual else P()
@@ -330,8 +333,9 @@ class Trainer:
       batch = self.model.seq_split(batch, self.context)
       batch_spec = P(batch_spec[0] if batch_spec else None, CONTEXT)
     in_specs = (keep(self.layout.params), jax.tree_util.tree_map(lambda _: batch_spec, batch))
+    in_specs += (P(zero.DATA) if zero.DATA in manual else P(),) * len(extra)
     return jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=keep(out_specs),
-                         axis_names=manual, check_vma=self.schedule is None)(params, batch)
+                         axis_names=manual, check_vma=self.schedule is None)(params, batch, *extra)
 
   def _ctx(self, manual: frozenset) -> StepContext:
     return StepContext(self.compute_dtype, self.layout.param_dims, manual,
@@ -364,15 +368,61 @@ class Trainer:
       return _unweighted(loss, aux, None, 1, manual) if weighted else (loss, aux)
     return self._sharded(local, params, batch, (P(), P()))
 
-  def eval_jitted(self, batch_abstract: Any):
-    """`eval_loss` jitted with the state's parameter shardings -> {'loss', **metrics}."""
+  def eval_weighted(self, params, batch, weight):
+    """(params, global batch, weight (B,) float32) -> (loss, metrics, examples): the means over
+    the rows of weight 1 (0: padding, left out exactly), and how many rows those are.
+
+    Each row is scored alone (the model's loss vmapped over rows of one), so a padded row adds
+    nothing to any mean; with a `loss_weight` metric, rows weigh by it too. Under a pipeline,
+    a row runs as every microbatch of its own batch (M copies of it): M times the forward of
+    the row, once per evaluation, on its last batch only."""
+    model, sched = self.model, self.schedule
+    data_sharded, manual = self._manual()
+    ctx = self._ctx(manual)
+    one_row = lambda x: x[None]
+
+    def score(params, row):  # one example -> (loss, metrics), float32 scalars
+      if sched is not None:
+        M = sched.microbatches
+        micro = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (M, 1) + x.shape), row)
+        loss, aux, _ = model.pipeline(params, micro, sched, ctx, forward_only=True)
+      else:
+        loss, aux = model.loss(params, jax.tree_util.tree_map(one_row, row), ctx)
+      loss, aux = _over_context(*_as_float_weight(loss, aux), manual)
+      return (jnp.asarray(loss, jnp.float32),
+              {k: jnp.asarray(v, jnp.float32) for k, v in aux.items()})
+
+    def local(params, batch, weight):
+      losses, aux = jax.vmap(score, in_axes=(None, 0))(params, batch)  # (b,) each
+      w = weight * aux[WEIGHT] if WEIGHT in aux else weight
+      sums = {k: jnp.sum(w * v) for k, v in aux.items() if k != WEIGHT}
+      totals = (jnp.sum(w * losses), sums, jnp.sum(w), jnp.sum(weight))
+      if data_sharded:
+        totals = jax.lax.psum(totals, zero.DATA)
+      loss_sum, sums, w_sum, examples = totals
+      denom = jnp.maximum(w_sum, jnp.finfo(jnp.float32).tiny)
+      metrics = {k: v / denom for k, v in sums.items()}
+      if WEIGHT in aux:
+        metrics[WEIGHT] = w_sum
+      return loss_sum / denom, metrics, examples
+    return self._sharded(local, params, batch, (P(), P(), P()), rows=weight)
+
+  def eval_jitted(self, batch_abstract: Any, weighted: bool = False):
+    """`eval_loss` jitted with the state's parameter shardings -> {'loss', **metrics}; with
+    `weighted`, `eval_weighted` (params, batch, weight) -> {'loss', **metrics, 'examples'}."""
     self.check_batch(batch_abstract, accum=False)
+    rows = NamedSharding(self.mesh, P(zero.DATA))
+    params_sharding = self.state_shardings["params"]
+    if weighted:
+      def fn(params, batch, weight):
+        loss, aux, examples = self.eval_weighted(params, batch, weight)
+        return {"loss": loss, **aux, "examples": examples}
+      return jax.jit(fn, in_shardings=(params_sharding, self.batch_sharding(batch_abstract), rows))
 
     def fn(params, batch):
       loss, aux = self.eval_loss(params, batch)
       return {"loss": loss, **aux}
-    return jax.jit(fn, in_shardings=(self.state_shardings["params"],
-                                     self.batch_sharding(batch_abstract)))
+    return jax.jit(fn, in_shardings=(params_sharding, self.batch_sharding(batch_abstract)))
 
   def _grads(self, params, batch, scale=None, step=None):
     """(params, global batch) -> (loss, metrics, grads with the layout's grad shardings).
