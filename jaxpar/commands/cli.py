@@ -129,6 +129,10 @@ def use_compile_cache(cfg: jconfig.Config) -> str | None:
   (the simulated device count among them), the compile options with the device assignment and
   the devices' topology. A cache written by another version or for another topology is never
   read, only missed; so nothing needs clearing when either changes.
+
+  The folder is made 0700. One that is not this user's, or that others may write
+  (executables.untrusted), is not used at all, with one note: JAX's programs there are run as
+  they are found, as jaxpar's stored steps are; the run goes on without a cache.
   """
   path = compile_cache_dir(cfg)
   # Imported here: launch_local.py imports this module and must not wait for JAX to load.
@@ -140,12 +144,17 @@ def use_compile_cache(cfg: jconfig.Config) -> str | None:
   if path is None:
     jax.config.update("jax_enable_compilation_cache", False)
     return None
-  if not os.path.isdir(path):
-    try:
-      os.makedirs(path, exist_ok=True)
-    except OSError as e:
-      raise ConfigError(f"train.compile_cache={path} cannot be made ({e.strerror}); name a "
-                        f"writable folder or 'off'") from None
+  from jaxpar.train import executables  # lazy: importing it loads JAX (see above)
+  try:
+    executables.make_private(path)  # 0700: the programs in it are run as they are found
+  except OSError as e:
+    raise ConfigError(f"train.compile_cache={path} cannot be made ({e.strerror}); name a "
+                      f"writable folder or 'off'") from None
+  why = executables.untrusted(path)
+  if why:  # JAX's programs are executables as the stored steps are: neither is used
+    executables.note(executables.refusal(path, why, "no compilation cache, no step store"))
+    jax.config.update("jax_enable_compilation_cache", False)
+    return None
   jax.config.update("jax_enable_compilation_cache", True)
   jax.config.update("jax_compilation_cache_dir", path)
   # JAX keeps only programs that took at least 1 s to compile; the init and the small helper
@@ -155,7 +164,6 @@ def use_compile_cache(cfg: jconfig.Config) -> str | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   bound = cache_max_bytes(cfg)
   if bound > 0:
-    from jaxpar.train import executables  # lazy: importing it loads JAX (see above)
     executables.prune(path, bound, suffix="-cache", beside=("-atime",))
   return path
 

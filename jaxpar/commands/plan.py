@@ -157,7 +157,7 @@ def main(argv=None) -> int:
 
     # stdout carries only the result; anything printed while compiling goes to stderr.
     with contextlib.redirect_stdout(sys.stderr):
-      report = plan.plan(cfg, shape)
+      report = plan.plan(cfg, shape, store_step=True)  # what train.py then loads
   except config.ConfigError as e:
     if args.debug:
       raise

@@ -22,12 +22,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.analysis import hlo
-from jaxpar.config import Config, ConfigError, to_dict
+from jaxpar.config import Config, ConfigError, compile_cache_max_bytes, to_dict
 from jaxpar.data import batch_spec
 from jaxpar.models import base as jmodel
 from jaxpar.models.registry import build_model
 from jaxpar.parallel import mesh as jmesh
 from jaxpar.parallel import rules
+from jaxpar.train import executables
 from jaxpar.train.step import Trainer
 
 
@@ -56,12 +57,15 @@ def _batch_abstract(cfg: Config) -> dict:
 
 
 def plan(cfg: Config, mesh_shape: str | Sequence[int], devices: Sequence[Any] | None = None,
-         model: jmodel.ModelDef | None = None, batch: Any = None, **trainer_kw) -> dict:
+         model: jmodel.ModelDef | None = None, batch: Any = None, store_step: bool = False,
+         **trainer_kw) -> dict:
   """The DESIGN plan JSON of one step of `cfg` on a DxMxP mesh over the first D*M*P `devices`.
 
   `model` (default: `model.kind`'s) may be a user's own (`jaxpar.from_nnx` ...), with `batch` a
   batch or its ShapeDtypeStructs (default: the config's token batch) and `trainer_kw` what
   `jaxpar.Trainer` takes beside it (`tx`, `frozen`, `rules` ...): what that trainer's state costs.
+  `store_step` (jaxpar-plan; the config's own model and batch only) keeps the compiled step in
+  the step store under the key `jaxpar-train` looks up (train/executables.py), unless it is there.
   """
   # Bad input (mesh, divisibility, too few devices) raises ConfigError before anything compiles.
   if isinstance(mesh_shape, str):
@@ -77,11 +81,12 @@ def plan(cfg: Config, mesh_shape: str | Sequence[int], devices: Sequence[Any] | 
   elif n > len(devices):
     raise ConfigError(f"mesh {jmesh.spec_str(shape)} needs {n} devices, found {len(devices)}")
   mesh = jmesh.make(shape, devices)
+  own_model = model is None and batch is None
   model = _model(cfg) if model is None else model
   trainer = Trainer(cfg, mesh, model, **trainer_kw)
   batch = _batch_abstract(cfg) if batch is None else jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-  compiled = trainer.lower(batch).compile()
+  compiled = _compile(trainer, batch, store_step and not trainer_kw and own_model)
   text = compiled.as_text()
 
   # What the state costs is read off its layout (train/layout.py); the rest off the program.
@@ -149,6 +154,19 @@ def plan(cfg: Config, mesh_shape: str | Sequence[int], devices: Sequence[Any] | 
       "parameters": parameters,
       "config": to_dict(cfg),
   }
+
+
+def _compile(trainer: Trainer, batch: Any, store: bool) -> Any:
+  """The step compiled; with `store`, one the step store lacks is compiled past JAX's cache and
+  kept there (an executable JAX's cache loads cannot be kept: executables.save)."""
+  lowered = trainer.lower(batch)
+  where = executables.folder() if store else None
+  key = executables.fingerprint(trainer, batch, trainer.batch_sharding(batch)) if where else None
+  if key is None or executables.stored(where, key):
+    return lowered.compile()
+  compiled = executables.compile_fresh(lowered)
+  executables.save(where, key, compiled, compile_cache_max_bytes(trainer.cfg))
+  return compiled
 
 
 def _loss_scale(cfg: Config) -> dict:

@@ -137,7 +137,8 @@ class _Run:
       self.state, _, skipped = self._initial_state(None)
       jax.block_until_ready(self.state)
     # The stored executable of this very step (executables.py), which needs no tracing.
-    store = executables.folder() if step_store else None
+    say = executables.note if self.is_main else (lambda text: None)  # once, not per process
+    store = executables.folder(say) if step_store else None
     key = executables.fingerprint(trainer, abstract, self.batch_sharding) if store else None
     compiled = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -149,7 +150,7 @@ class _Run:
             # checkpoint is read beside it.
             restored = pool.submit(self._initial_state, start)
           self.compiled = (executables.load(store, key, (trainer.abstract_state, abstract),
-                                            list(trainer.mesh.devices.flat))
+                                            list(trainer.mesh.devices.flat), say=say)
                            if key else None)
           stored = self.compiled is not None
           if not stored:
@@ -161,18 +162,20 @@ class _Run:
             # JAX's cache takes a fraction of a second, and a read beside it would only slow it.
             restored = pool.submit(self._restore_after, compiled, start)
           if not stored:
-            with jmetrics.compile_watch(this_thread=True) as step_compile:  # not the read's
-              self.compiled = lowered.compile()
+            # A step the store lacks is compiled past JAX's cache, whose copy could not be kept
+            self.compiled = executables.compile_fresh(lowered) if key else lowered.compile()
       finally:
         compiled.set()  # (a failed compile too: the read goes on, and its failure comes first)
         if restored is not None:  # its failure (one sentence) first: it is the run's to report
           self.state, _, skipped = restored.result()
     if key:
       self.compile_info["step_store"] = "hit" if stored else "miss"
-      if stored:
-        self.compile_info["compile_cache"] = "hit"
-      elif step_compile["compile_cache"] == "miss":  # compiled here, not loaded: see save
-        executables.save(store, key, self.compiled, jconfig.compile_cache_max_bytes(self.cfg))
+      # The step was loaded (from the store), or compiled by XLA past JAX's cache, which then
+      # looks up nothing: the step's miss, not the cache's absence.
+      self.compile_info["compile_cache"] = "hit" if stored else "miss"
+      if not stored:
+        executables.save(store, key, self.compiled, jconfig.compile_cache_max_bytes(self.cfg),
+                         say=say)
     return skipped
 
   def _restore_after(self, compiled: threading.Event, start: int) -> tuple[Any, int, int]:
