@@ -95,7 +95,8 @@ class TrainConfig:
   seed: int = 0
   log_every: int = 10
   eval_every: int = 0  # evaluate on data.eval_split every N steps (0 = never)
-  eval_steps: int = 10  # batches per evaluation (0 = the whole split)
+  eval_steps: int = 10  # batches per evaluation (0 = the whole split: every example, the last
+  # batch padded and masked)
   skip_nonfinite: bool = False  # a step with a non-finite loss or gradient leaves the state as it was
   # Loss-spike guard (off at 0): a non-finite loss or gradient norm, or spike_steps losses in a row
   # above spike_factor x the median of the last spike_window losses, restores the last state a
