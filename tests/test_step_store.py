@@ -295,6 +295,14 @@ def test_an_untrusted_cache_folder_is_refused_with_one_note(tmp_path, monkeypatc
     os.umask(umask)
   assert made.stat().st_mode & 0o777 == 0o700 and updates["jax_enable_compilation_cache"]
   assert capsys.readouterr().err == ""
+  # In a trusted folder, a program others could have written (from when it was shared) goes.
+  (made / "jit_step-cache").write_bytes(b"x")
+  (made / "jit_step-cache").chmod(0o666)
+  (made / "jit_init-cache").write_bytes(b"x")
+  cli.use_compile_cache(config.load(None, [f"train.compile_cache={made}"]))
+  assert [p.name for p in made.iterdir()] == ["jit_init-cache"]
+  [note] = capsys.readouterr().err.splitlines()
+  assert note.startswith(f"note: removed 1 file(s) of the compilation cache {made}")
   # One that its group may write is not used at all (JAX's programs there are run as found, as
   # stored steps are): one note naming it and the way out, and the run goes on without a cache.
   shared = tmp_path / "shared"

@@ -132,7 +132,8 @@ def use_compile_cache(cfg: jconfig.Config) -> str | None:
 
   The folder is made 0700. One that is not this user's, or that others may write
   (executables.untrusted), is not used at all, with one note: JAX's programs there are run as
-  they are found, as jaxpar's stored steps are; the run goes on without a cache.
+  they are found, as jaxpar's stored steps are; the run goes on without a cache. In a trusted
+  folder, a file that is another user's or that others may write is removed (one note).
   """
   path = compile_cache_dir(cfg)
   # Imported here: launch_local.py imports this module and must not wait for JAX to load.
@@ -155,6 +156,11 @@ def use_compile_cache(cfg: jconfig.Config) -> str | None:
     executables.note(executables.refusal(path, why, "no compilation cache, no step store"))
     jax.config.update("jax_enable_compilation_cache", False)
     return None
+  foreign = executables.remove_foreign(path)
+  if foreign:
+    executables.note(f"removed {len(foreign)} file(s) of the compilation cache {path} that were "
+                     f"not this user's or that others could write (e.g. {foreign[0]}): JAX would "
+                     f"have run them as they were")
   jax.config.update("jax_enable_compilation_cache", True)
   jax.config.update("jax_compilation_cache_dir", path)
   # JAX keeps only programs that took at least 1 s to compile; the init and the small helper

@@ -123,6 +123,22 @@ def untrusted(path: str) -> str | None:
   return None
 
 
+def remove_foreign(path: str) -> list[str]:
+  """Removes the files directly in the folder `path` that are not this user's or that others
+  may write (left from a time the folder was shared, or written under a loose umask): JAX runs
+  its programs as it finds them, with no check of its own. Returns their names."""
+  uid, gone = os.getuid() if hasattr(os, "getuid") else None, []
+  for entry in os.scandir(path):
+    try:
+      st = entry.stat(follow_symlinks=False)
+      if not stat.S_ISDIR(st.st_mode) and (st.st_mode & 0o022 or uid not in (None, st.st_uid)):
+        os.remove(entry.path)
+        gone.append(entry.name)
+    except OSError:
+      continue
+  return gone
+
+
 def refusal(path: str, why: str, unused: str = "no step store") -> str:
   """The note for a folder `untrusted` refuses."""
   return (f"the folder {path} {why}, so another user could plant programs there that this run "
