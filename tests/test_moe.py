@@ -8,11 +8,15 @@ Tiny shapes: 2 layers, d_model 32, 8 experts, top-2, one shared expert, sequence
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import child_env
 
 from jaxpar import config
 from jaxpar.config import ConfigError
+from jaxpar.models import moe
 from jaxpar.models import registry as jmodel
 from jaxpar.parallel import mesh as jmesh
 
@@ -69,3 +73,93 @@ def test_train_exits_2_with_the_sentence(tmp_path):
   assert r.stderr.splitlines() == [
       "error: config key model.experts_per_token=5 is more than model.n_experts=4"]
   assert not (tmp_path / "wd").exists()
+
+
+# -- the MLP against a plain-JAX reference, on one device ----------------------------------------
+
+def layer_params(cfg, glu, seed=0):
+  """One layer's MoE weights (moe.make_params' names), drawn at random."""
+  rngs = iter(jax.random.split(jax.random.key(seed), 16))
+  param = lambda shape, axes, init: jax.random.normal(next(rngs), shape[1:]) * 0.3
+  return moe.make_params(cfg, param, glu, out_std=0.3)
+
+
+def reference(p, h, cfg, glu):
+  """Every expert on every token, combined with a one-hot of the router's choices: (B, T, D)."""
+  B, T, D = h.shape
+  E, k = cfg.n_experts, cfg.experts_per_token
+  x = np.asarray(h, np.float64).reshape(-1, D)
+  p = {n: np.asarray(v, np.float64) for n, v in p.items()}
+  logits = x @ p["router"]
+  chosen = np.argsort(-logits, axis=1, kind="stable")[:, :k]  # (N, k)
+  probs = np.exp(logits - logits.max(1, keepdims=True))
+  probs /= probs.sum(1, keepdims=True)
+  w = np.take_along_axis(probs, chosen, 1)
+  if cfg.router_softmax == "after_topk":
+    w = w / w.sum(1, keepdims=True)
+  if cfg.capacity_factor:  # an expert keeps its first C rows in (token, choice) order
+    C = int(np.ceil(cfg.capacity_factor * chosen.size / E))
+    seen = np.zeros(E, int)
+    for n, j in np.ndindex(*chosen.shape):
+      e = chosen[n, j]
+      w[n, j] *= seen[e] < C
+      seen[e] += 1
+  silu = lambda a: a / (1 + np.exp(-a))
+  gelu = lambda a: np.asarray(jax.nn.gelu(jnp.asarray(a)), np.float64)
+
+  def ffn(x, pre, e=None):
+    pick = (lambda n: p[n][e]) if e is not None else (lambda n: p[n])
+    if glu:
+      return (silu(x @ pick(pre + "gate")) * (x @ pick(pre + "up"))) @ pick(pre + "down")
+    return gelu(x @ pick(pre + "w1")) @ pick(pre + "w2")
+  y = np.zeros_like(x)
+  for e in range(E):
+    gate = np.sum(np.where(chosen == e, w, 0.0), 1)  # (N,): the one-hot combine
+    y += gate[:, None] * ffn(x, "e_", e)
+  if cfg.shared_experts:
+    y += ffn(x, "s_")
+  return y.reshape(B, T, D)
+
+
+@pytest.mark.parametrize("glu", [True, False], ids=["swiglu", "gelu"])
+@pytest.mark.parametrize("softmax", ["after_topk", "before_topk"])
+@pytest.mark.parametrize("capacity", [0.0, 0.5])
+def test_moe_mlp_matches_a_dense_loop_over_experts(glu, softmax, capacity):
+  cfg = make_cfg(f"model.router_softmax={softmax}", f"model.capacity_factor={capacity}").model
+  p = layer_params(cfg, glu)
+  h = jax.random.normal(jax.random.key(1), (2, 16, cfg.d_model))
+  y, metrics = jax.jit(lambda p, h: moe.mlp(p, h, cfg))(p, h)
+  want = reference(p, h, cfg, glu)
+  assert np.linalg.norm(np.asarray(y, np.float64) - want) <= RTOL * np.linalg.norm(want)
+  if capacity:  # half the average load drops something, which the reference drops too
+    assert float(metrics["moe_dropped"]) > 0.1
+
+
+def test_router_metrics_against_their_definitions():
+  cfg = make_cfg().model
+  p = layer_params(cfg, True)
+  h = jax.random.normal(jax.random.key(2), (2, 16, cfg.d_model))
+  _, m = moe.mlp(p, h, cfg)
+  E, k = cfg.n_experts, cfg.experts_per_token
+  logits = np.asarray(h, np.float64).reshape(-1, cfg.d_model) @ np.asarray(p["router"], np.float64)
+  chosen = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+  frac = np.bincount(chosen.ravel(), minlength=E) / len(logits)  # sums to k (HF Mixtral's)
+  probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+  np.testing.assert_allclose(float(m["moe_aux_loss"]), E * np.sum(frac * probs.mean(0)), rtol=1e-5)
+  z = np.log(np.exp(logits).sum(1))
+  np.testing.assert_allclose(float(m["moe_z_loss"]), np.mean(z ** 2), rtol=1e-5)
+  np.testing.assert_allclose(float(m["moe_max_load"]), frac.max() * E / k, rtol=1e-6)
+
+
+def test_capacity_that_drops_nothing_equals_dropless():
+  cfg = make_cfg().model
+  # top-2 of 8: an expert gets at most every token once, N = A / 2 rows, and factor 4 gives
+  # C = ceil(4 A / 8) = A / 2, so nothing can be dropped
+  roomy = make_cfg("model.capacity_factor=4").model
+  p = layer_params(cfg, True)
+  h = jax.random.normal(jax.random.key(3), (2, 16, cfg.d_model))
+  y, _ = moe.mlp(p, h, cfg)
+  y_cap, m = moe.mlp(p, h, roomy)
+  assert float(m["moe_dropped"]) == 0.0
+  np.testing.assert_allclose(np.asarray(y_cap), np.asarray(y), rtol=1e-6, atol=1e-7)
+

@@ -105,8 +105,9 @@ def split_sequence(batch: dict, C: int) -> dict:
 
 def loss(parts: Parts, params: dict, batch: dict, ctx: StepContext = StepContext(),
          remat: str = "none") -> tuple[jax.Array, dict]:
-  """batch['tokens'] (B, T+1) -> (mean next-token loss, {}); `ctx.rng` is dropout's key (the
-  blocks and `with_embed_dropout` use it), None: deterministic.
+  """batch['tokens'] (B, T+1) -> (mean next-token loss, the blocks' metrics: a mixture's router
+  losses, {} without); `ctx.rng` is dropout's key (the blocks and `with_embed_dropout` use it),
+  None: deterministic.
 
   Inside a step that is manual over `context` the batch is this device's share of
   `split_sequence`'s {'inputs', 'targets'} (B, T/C): the embedding takes each token's global
@@ -116,8 +117,9 @@ def loss(parts: Parts, params: dict, batch: dict, ctx: StepContext = StepContext
     inputs, targets = batch["inputs"], batch["targets"]
   else:
     inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
-  logits = forward(_on_ring(parts, inputs.shape[1], ctx), params, inputs, ctx, remat)
-  return cross_entropy(logits, targets, ctx.manual), {}
+  logits, metrics = stack.forward_metrics(_on_ring(parts, inputs.shape[1], ctx), params, inputs,
+                                          ctx, remat)
+  return cross_entropy(logits, targets, ctx.manual), metrics
 
 
 def _on_ring(parts: Parts, n: int, ctx: StepContext) -> Parts:
@@ -147,6 +149,16 @@ def pipeline_grads(parts: Parts, params: dict, micro: dict, sched,
                               loss_scale=loss_scale, forward_only=forward_only)
 
 
+def with_router_losses(ce: jax.Array, metrics: dict, tc) -> tuple[jax.Array, dict]:
+  """A mixture's training loss: the next-token loss `ce` plus train.moe_aux_weight x the
+  load-balancing loss and train.moe_z_weight x the z-loss (means over the MoE layers), `ce` kept
+  as the metric lm_loss; (ce, metrics) as they are for a dense model."""
+  if "moe_aux_loss" not in metrics:
+    return ce, metrics
+  total = ce + tc.moe_aux_weight * metrics["moe_aux_loss"] + tc.moe_z_weight * metrics["moe_z_loss"]
+  return total, {**metrics, "lm_loss": ce}
+
+
 def model_def(cfg, module) -> ModelDef:
   """A decoder of `module` (models/gpt.py, models/llama.py: its MODULE, parts and parameter
   count) for `cfg`, in `precision.param_dtype`, each layer under `parallel.remat`'s policy:
@@ -160,11 +172,17 @@ def model_def(cfg, module) -> ModelDef:
 
   def loss_(params, batch, ctx=StepContext(), rng=None):
     if rate == 0 or rng is None:  # evaluation, or no dropout: today's program, no key in it
-      return loss(parts, params, batch, replace(ctx, rng=None), remat)
-    return loss(with_embed_dropout(parts, rate, rng, mc.n_layers), params, batch,
-                replace(ctx, rng=rng), remat)
+      out = loss(parts, params, batch, replace(ctx, rng=None), remat)
+    else:
+      out = loss(with_embed_dropout(parts, rate, rng, mc.n_layers), params, batch,
+                 replace(ctx, rng=rng), remat)
+    return with_router_losses(*out, cfg.train)
 
   def pipeline(params, micro, sched, ctx=StepContext(), loss_scale=1.0, forward_only=False):
+    if mc.n_experts:  # mesh.check says so first
+      raise ConfigError(f"model.n_experts={mc.n_experts} is not supported with a pipeline: the "
+                        "schedule does not carry the router's losses between stages; use "
+                        "pipeline=1")
     if rate > 0 and not forward_only:  # mesh.check says so first; a Trainer made without it
       raise ConfigError(f"model.dropout={rate} is not supported with a pipeline: the schedule "
                         "does not carry the step's key; use pipeline=1 or model.dropout=0")

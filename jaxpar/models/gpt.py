@@ -21,7 +21,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import ModelConfig
-from jaxpar.models import blockwise, decoder, kvcache, ring
+from jaxpar.models import blockwise, decoder, kvcache, moe, ring
 from jaxpar.models.base import ModelDef
 from jaxpar.parallel import tensor
 from jaxpar.parallel.context import StepContext
@@ -51,6 +51,10 @@ class Layers(nnx.Module):
     self.bo = param((L, D), ("layers", "embed"), zeros)
     self.ln2_scale = param((L, D), ("layers", "embed"), ones)
     self.ln2_bias = param((L, D), ("layers", "embed"), zeros)
+    if cfg.n_experts:  # a mixture of GELU experts, without biases (models/moe.py)
+      for name, value in moe.make_params(cfg, param, glu=False, out_std=proj_std).items():
+        setattr(self, name, value)
+      return
     self.w1 = param((L, D, F), ("layers", "embed", "mlp"), normal(0.02))
     self.b1 = param((L, F), ("layers", "mlp"), zeros)
     self.w2 = param((L, F, D), ("layers", "mlp", "embed"), normal(proj_std))
@@ -215,23 +219,28 @@ def _qkv(p: dict, x: jax.Array, cfg: ModelConfig, manual) -> tuple[jax.Array, ..
   return constrain(q, ("batch", "seq", "heads", "kv"), manual=manual), k, v
 
 
-def _out_mlp(p: dict, x: jax.Array, a: jax.Array, manual, rate: float = 0.0,
-             key=None) -> jax.Array:
-  """Attention's out-projection, residual, pre-norm MLP, residual. x (B, T, D), a (B, T, H, K).
-  With a key, each branch's output is dropped out (`rate`) before it joins the residual."""
+def _out_mlp(p: dict, x: jax.Array, a: jax.Array, cfg: ModelConfig, manual, rate: float = 0.0,
+             key=None) -> tuple[jax.Array, dict]:
+  """Attention's out-projection, residual, pre-norm MLP (or mixture of experts), residual.
+  x (B, T, D), a (B, T, H, K) -> (x, the mixture's metrics or {}). With a key, each branch's
+  output is dropped out (`rate`) before it joins the residual."""
   B, T = x.shape[:2]
   w = lambda name: p[name].astype(x.dtype)
   a = tensor.row_parallel(a.reshape(B, T, -1), w("wo"), manual) + w("bo")
   x = checkpoint_name(x + decoder.dropout(a, rate, key, 0), "mid")
+  if cfg.n_experts:
+    m, metrics = moe.mlp(p, layer_norm(x, p["ln2_scale"], p["ln2_bias"]), cfg, manual)
+    return x + decoder.dropout(m, rate, key, 1), metrics
   h, = tensor.column_parallel(layer_norm(x, p["ln2_scale"], p["ln2_bias"]), [w("w1")], manual)
   h = jax.nn.gelu(checkpoint_name(h + w("b1"), "mlp_in"))  # (B, T, F)
-  return x + decoder.dropout(tensor.row_parallel(h, w("w2"), manual) + w("b2"), rate, key, 1)
+  return x + decoder.dropout(tensor.row_parallel(h, w("w2"), manual) + w("b2"), rate, key, 1), {}
 
 
 def block(p: dict, x: jax.Array, cfg: ModelConfig, ctx: StepContext = StepContext()) -> jax.Array:
   """One pre-norm decoder block. p: one layer's weights, whole; x (B, T, D) -> (B, T, D) in x's
-  dtype; `ctx.manual` says which collectives the tensor-parallel matmuls run; `ctx.rng` (this
-  layer's key, training only) turns on `cfg.dropout`'s residual dropout.
+  dtype (with a mixture of experts: (x, its metrics)); `ctx.manual` says which collectives the
+  tensor-parallel matmuls run; `ctx.rng` (this layer's key, training only) turns on
+  `cfg.dropout`'s residual dropout.
 
   The projections before attention and the MLP after it are checkpoints that keep only `_KEEP`'s
   names; attention, between them, keeps its own residuals, so neither cuDNN's fused kernel nor
@@ -242,8 +251,9 @@ def block(p: dict, x: jax.Array, cfg: ModelConfig, ctx: StepContext = StepContex
   q, k, v = jax.checkpoint(lambda p, x: _qkv(p, x, cfg, manual), policy=_NOTHING,
                            prevent_cse=False)(p, x)
   a = attend(q, k, v, ctx)  # (B, T, H, K)
-  return jax.checkpoint(lambda p, x, a, key: _out_mlp(p, x, a, manual, cfg.dropout, key),
-                        policy=_KEEP, prevent_cse=False)(p, x, a, ctx.rng)
+  x, metrics = jax.checkpoint(lambda p, x, a, key: _out_mlp(p, x, a, cfg, manual, cfg.dropout, key),
+                              policy=_KEEP, prevent_cse=False)(p, x, a, ctx.rng)
+  return (x, metrics) if cfg.n_experts else x
 
 
 def parts(cfg: ModelConfig) -> decoder.Parts:
@@ -252,7 +262,7 @@ def parts(cfg: ModelConfig) -> decoder.Parts:
   if cfg.tie_embeddings:  # the LM head is the token embedding, transposed (GPT-2)
     head = lambda p, x: head_logits({**p, "head": p["wte"].T}, x)
   return decoder.Parts(embed=embed, block=lambda p, x, ctx: block(p, x, cfg, ctx), head=head,
-                       embed_at=embed_at)
+                       embed_at=embed_at, metrics=moe.metric_names(cfg))
 
 
 def embed(p: dict, tokens: jax.Array, dtype) -> jax.Array:
@@ -291,7 +301,7 @@ def block_cached(p: dict, x: jax.Array, positions: jax.Array, k_cache: jax.Array
   k_cache = kvcache.write(k_cache, k, positions[:, 0])
   v_cache = kvcache.write(v_cache, v, positions[:, 0])
   a = kvcache.attend(q, k_cache, v_cache, positions)  # (B, S, H, K)
-  return _out_mlp(p, x, a, frozenset()), k_cache, v_cache
+  return _out_mlp(p, x, a, cfg, frozenset())[0], k_cache, v_cache
 
 
 def cached_parts(cfg: ModelConfig) -> kvcache.CachedParts:
@@ -301,11 +311,12 @@ def cached_parts(cfg: ModelConfig) -> kvcache.CachedParts:
 
 
 def n_params_nonembedding(cfg: ModelConfig) -> int:
-  """Parameters outside the embeddings and LM head (the N of 6N)."""
+  """Parameters outside the embeddings and LM head that a token uses (the N of 6N)."""
   D, F, L = cfg.d_model, cfg.d_ff, cfg.n_layers
   G = cfg.n_kv_heads or cfg.n_heads
   K = D // cfg.n_heads
-  per_layer = 2 * D * D + 2 * D * G * K + D + G * K + D + 2 * D * F + F + D + 4 * D
+  mlp = moe.n_params(cfg, glu=False, active=True) if cfg.n_experts else 2 * D * F + F + D
+  per_layer = 2 * D * D + 2 * D * G * K + D + G * K + D + mlp + 4 * D
   return L * per_layer + 2 * D
 
 

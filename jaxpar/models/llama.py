@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ModelConfig
-from jaxpar.models import decoder, kvcache, ring
+from jaxpar.models import decoder, kvcache, moe, ring
 from jaxpar.models.base import ModelDef
 from jaxpar.models.gpt import attend
 from jaxpar.parallel import tensor
@@ -37,6 +37,10 @@ class Layers(nnx.Module):
     self.wv = param((L, D, G * K), ("layers", "embed", "heads"), normal)
     self.wo = param((L, H * K, D), ("layers", "heads", "embed"), normal)
     self.mlp_norm = param((L, D), ("layers", "embed"), ones)
+    if cfg.n_experts:  # a mixture of SwiGLU experts (models/moe.py), Mixtral's
+      for name, value in moe.make_params(cfg, param, glu=True, out_std=0.02).items():
+        setattr(self, name, value)
+      return
     self.w_gate = param((L, D, F), ("layers", "embed", "mlp"), normal)
     self.w_up = param((L, D, F), ("layers", "embed", "mlp"), normal)
     self.w_down = param((L, F, D), ("layers", "mlp", "embed"), normal)
@@ -92,29 +96,34 @@ def _qkv(p: dict, x: jax.Array, cfg: ModelConfig, manual, positions=None) -> tup
 
 
 def _out_mlp(p: dict, x: jax.Array, a: jax.Array, cfg: ModelConfig, manual,
-             key=None) -> jax.Array:
-  """Attention's out-projection, residual, pre-norm SwiGLU MLP, residual. x (B, T, D),
-  a (B, T, H, K) -> (B, T, D). With a key, each branch's output is dropped out (`cfg.dropout`)
-  before it joins the residual."""
+             key=None) -> tuple[jax.Array, dict]:
+  """Attention's out-projection, residual, pre-norm SwiGLU MLP (or mixture of experts), residual.
+  x (B, T, D), a (B, T, H, K) -> ((B, T, D), the mixture's metrics or {}). With a key, each
+  branch's output is dropped out (`cfg.dropout`) before it joins the residual."""
   B, T = x.shape[:2]
   w = lambda name: p[name].astype(x.dtype)
   a = tensor.row_parallel(a.reshape(B, T, -1), w("wo"), manual)
   x = x + decoder.dropout(a, cfg.dropout, key, 0)
-  gate, up = tensor.column_parallel(rms_norm(x, p["mlp_norm"], cfg.norm_eps),
-                                    [w("w_gate"), w("w_up")], manual)  # over mlp
+  h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
+  if cfg.n_experts:
+    m, metrics = moe.mlp(p, h, cfg, manual)
+    return x + decoder.dropout(m, cfg.dropout, key, 1), metrics
+  gate, up = tensor.column_parallel(h, [w("w_gate"), w("w_up")], manual)  # over mlp
   m = tensor.row_parallel(jax.nn.silu(gate) * up, w("w_down"), manual)
-  return x + decoder.dropout(m, cfg.dropout, key, 1)
+  return x + decoder.dropout(m, cfg.dropout, key, 1), {}
 
 
 def block(p: dict, x: jax.Array, cfg: ModelConfig, ctx: StepContext = StepContext()) -> jax.Array:
   """One pre-norm Llama block. p: one layer's weights, whole; x (B, T, D) -> (B, T, D) in x's
-  dtype; `ctx.manual` says which collectives the tensor-parallel matmuls run; `ctx.rng` (this
-  layer's key, training only) turns on `cfg.dropout`'s residual dropout."""
+  dtype (with a mixture of experts: (x, its metrics)); `ctx.manual` says which collectives the
+  tensor-parallel matmuls run; `ctx.rng` (this layer's key, training only) turns on
+  `cfg.dropout`'s residual dropout."""
   positions = None
   if CONTEXT in ctx.manual:  # this device's tokens of a context-split sequence: their rotary
     positions = ring.local_positions(x.shape[1], CONTEXT)[None]  # angles are global positions
   q, k, v = _qkv(p, x, cfg, ctx.manual, positions)
-  return _out_mlp(p, x, attend(q, k, v, ctx), cfg, ctx.manual, ctx.rng)
+  x, metrics = _out_mlp(p, x, attend(q, k, v, ctx), cfg, ctx.manual, ctx.rng)
+  return (x, metrics) if cfg.n_experts else x
 
 
 def block_cached(p: dict, x: jax.Array, positions: jax.Array, k_cache: jax.Array,
@@ -125,7 +134,7 @@ def block_cached(p: dict, x: jax.Array, positions: jax.Array, k_cache: jax.Array
   k_cache = kvcache.write(k_cache, k, positions[:, 0])
   v_cache = kvcache.write(v_cache, v, positions[:, 0])
   a = kvcache.attend(q, k_cache, v_cache, positions)  # (B, S, H, K)
-  return _out_mlp(p, x, a, cfg, frozenset()), k_cache, v_cache
+  return _out_mlp(p, x, a, cfg, frozenset())[0], k_cache, v_cache
 
 
 def embed(p: dict, tokens: jax.Array, dtype) -> jax.Array:
@@ -139,7 +148,8 @@ def parts(cfg: ModelConfig) -> decoder.Parts:
     w = p["wte"].T if cfg.tie_embeddings else p["head"]  # (D, V), vocab-parallel either way
     logits, = tensor.column_parallel(rms_norm(x, p["norm"], cfg.norm_eps), [w.astype(x.dtype)])
     return logits.astype(jnp.float32)
-  return decoder.Parts(embed=embed, block=lambda p, x, ctx: block(p, x, cfg, ctx), head=head)
+  return decoder.Parts(embed=embed, block=lambda p, x, ctx: block(p, x, cfg, ctx), head=head,
+                       metrics=moe.metric_names(cfg))
 
 
 def cached_parts(cfg: ModelConfig) -> kvcache.CachedParts:
@@ -150,11 +160,12 @@ def cached_parts(cfg: ModelConfig) -> kvcache.CachedParts:
 
 
 def n_params_nonembedding(cfg: ModelConfig) -> int:
-  """Parameters outside the embedding and LM head (the N of 6N)."""
+  """Parameters outside the embedding and LM head that a token uses (the N of 6N)."""
   D, F, L = cfg.d_model, cfg.d_ff, cfg.n_layers
   G = cfg.n_kv_heads or cfg.n_heads
   K = D // cfg.n_heads
-  return L * (2 * D * D + 2 * D * G * K + 3 * D * F + 2 * D) + D
+  mlp = moe.n_params(cfg, glu=True, active=True) if cfg.n_experts else 3 * D * F
+  return L * (2 * D * D + 2 * D * G * K + mlp + 2 * D) + D
 
 
 MODULE = Llama

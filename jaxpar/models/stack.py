@@ -29,6 +29,9 @@ class Parts:
   # (top, inputs, positions (T,) int, dtype) -> x: `embed` for tokens at those global positions
   # (a context-split sequence); None: embed has no positions of its own (e.g. rotary's model)
   embed_at: Callable[..., jax.Array] | None = None
+  # names of the scalars `block` reports beside x, as (x, {name: scalar}) (a mixture's router
+  # losses); forward_metrics gives their means over the layers. (): block returns x alone
+  metrics: tuple[str, ...] = ()
 
 
 def split(params: dict, dims: Any) -> tuple[dict, Any, Any]:
@@ -56,8 +59,10 @@ def remat_policy(remat: str):
 
 
 def run_layers(layers: dict, x: jax.Array, block: Callable[..., jax.Array],
-               ctx: StepContext = StepContext(), remat: str = "none") -> jax.Array:
-  """Scan `block` over a stack of layers. layers: leaves (L, ...); x (B, T, D).
+               ctx: StepContext = StepContext(), remat: str = "none",
+               metrics: tuple[str, ...] = ()) -> Any:
+  """Scan `block` over a stack of layers. layers: leaves (L, ...); x (B, T, D) -> x, or with
+  `metrics` (the names of the scalars block returns beside x) (x, {name: mean over the layers}).
 
   Each layer runs under `remat`'s checkpoint policy (`remat_policy`). `ctx.dims` are the ZeRO-3
   dims of the stacked leaves: each layer's shards are all-gathered inside the scan body and
@@ -70,27 +75,41 @@ def run_layers(layers: dict, x: jax.Array, block: Callable[..., jax.Array],
   layer_ctx = replace(ctx, dims=None)  # the block's weights arrive gathered
   keyed = ctx.rng is not None
 
-  def body(x, p_i):
+  def body(carry, p_i):
     p, i = p_i
     lctx = replace(layer_ctx, rng=jax.random.fold_in(ctx.rng, i)) if keyed else layer_ctx
-    return block(zero.gather(p, layer_dims), x, lctx), None
+    if not metrics:
+      return block(zero.gather(p, layer_dims), carry, lctx), None
+    x, m = block(zero.gather(p, layer_dims), carry[0], lctx)
+    return (x, {k: carry[1][k] + m[k] for k in metrics}), None
   if remat != "none":
     body = jax.checkpoint(body, prevent_cse=False, policy=remat_policy(remat))
   elif ctx.dims is not None:
     body = zero.regather(body)
   n = jax.tree_util.tree_leaves(layers)[0].shape[0]
-  x, _ = jax.lax.scan(body, x, (layers, jnp.arange(n, dtype=jnp.uint32) if keyed else None))
-  return x
+  init = (x, {k: jnp.zeros((), jnp.float32) for k in metrics}) if metrics else x
+  out, _ = jax.lax.scan(body, init, (layers, jnp.arange(n, dtype=jnp.uint32) if keyed else None))
+  if not metrics:
+    return out
+  return out[0], {k: v / n for k, v in out[1].items()}
 
 
 def forward(parts: Parts, params: dict, inputs: Any, ctx: StepContext = StepContext(),
             remat: str = "none") -> Any:
   """inputs -> the head's outputs: embed, the scanned stack, head (ZeRO-3 top gathered once)."""
+  return forward_metrics(parts, params, inputs, ctx, remat)[0]
+
+
+def forward_metrics(parts: Parts, params: dict, inputs: Any, ctx: StepContext = StepContext(),
+                    remat: str = "none") -> tuple[Any, dict]:
+  """`forward`, and the means over the layers of the blocks' `parts.metrics` ({} without)."""
   top, top_dims, layer_dims = split(params, ctx.dims)
   top = zero.gather(top, top_dims)
   x = parts.embed(top, inputs, ctx.dtype)
-  x = run_layers(params["layers"], x, parts.block, replace(ctx, dims=layer_dims), remat)
-  return parts.head(top, x)
+  out = run_layers(params["layers"], x, parts.block, replace(ctx, dims=layer_dims), remat,
+                   parts.metrics)
+  x, metrics = out if parts.metrics else (out, {})
+  return parts.head(top, x), metrics
 
 
 def pipeline_grads(parts: Parts, params: dict, micro: dict, sched, score: Callable,

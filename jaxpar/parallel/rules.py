@@ -1,8 +1,9 @@
 """Logical axis names -> mesh axes: the one table every strategy goes through.
 
-Models name logical axes only (`batch, seq, embed, heads, kv, mlp, vocab, layers`). `RULES` maps
-them to mesh axes; Megatron tensor parallelism is the `heads`/`mlp`/`vocab` -> `model` rows
-(column-parallel where the axis is a kernel's output, row-parallel where it is the input).
+Models name logical axes only (`batch, seq, embed, heads, kv, mlp, vocab, layers, expert`).
+`RULES` maps them to mesh axes; Megatron tensor parallelism is the `heads`/`mlp`/`vocab` ->
+`model` rows (column-parallel where the axis is a kernel's output, row-parallel where it is the
+input); expert parallelism the `expert` -> `data` row.
 Models without annotations are covered by ordered regex rules on parameter paths that yield
 logical axes; first match wins, and a parameter no rule covers is an error.
 """
@@ -19,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import ConfigError
 from jaxpar.parallel import mesh as jmesh
 
-LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv", "mlp", "vocab", "layers")
+LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv", "mlp", "vocab", "layers", "expert")
 
 # logical axis -> mesh axis (None = replicated). Order matters only for readability.
 RULES: tuple[tuple[str, str | None], ...] = (
@@ -31,6 +32,10 @@ RULES: tuple[tuple[str, str | None], ...] = (
     ("kv", None),
     ("seq", None),
     ("layers", jmesh.PIPE),  # the scanned layer stack: stage s holds a contiguous block of layers
+    # a mixture's experts: expert parallelism folded into data parallelism (Megatron, DeepSpeed):
+    # each data replica holds n_experts / data of them, tokens reach them by all-to-all over
+    # `data` (parallel/expert.py); the one parameter axis that may name `data` outside ZeRO
+    ("expert", jmesh.DATA),
 )
 
 Logical = tuple[str | None, ...]
@@ -163,15 +168,23 @@ def param_specs(abstract: Any, logical: Any, mesh, rules=RULES) -> Any:
       raise ConfigError(f"parameter {path_str(path)} has logical axes {tuple(axes)}, which put "
                         f"one mesh axis on two of its dimensions ({spec}); give one of them a "
                         f"logical axis that is not split the same way (e.g. 'embed')")
-    if jmesh.DATA in [n for a in used for n in (a if isinstance(a, tuple) else (a,))]:
+    data_split = [n for a, name in zip(spec, axes) if a is not None and name != "expert"
+                  for n in (a if isinstance(a, tuple) else (a,))]
+    if jmesh.DATA in data_split:
       raise ConfigError(f"parameter {path_str(path)} has logical axes {tuple(axes)}, which split "
                         f"it over the mesh axis 'data' ({spec}); parameters are split over data "
-                        f"only by ZeRO (parallel.zero_stage), so give that dimension a logical "
-                        f"axis the rules do not map to data (e.g. 'embed' or None)")
+                        f"only by ZeRO (parallel.zero_stage) and a mixture's 'expert' axis, so "
+                        f"give that dimension a logical axis the rules do not map to data (e.g. "
+                        f"'embed' or None)")
     check_divisible(path_str(path), leaf.shape, spec, mesh)
     return spec
   return jax.tree_util.tree_map_with_path(one, abstract, logical,
                                           is_leaf=lambda x: isinstance(x, tuple))
+
+
+def axis_of(logical: str, rules=None):
+  """The mesh axis (or axes, or None) the active table maps `logical` to."""
+  return dict(_ACTIVE.get() if rules is None else rules).get(logical)
 
 
 def is_split(logical: str, rules=None) -> bool:

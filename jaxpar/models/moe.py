@@ -1,0 +1,158 @@
+"""A mixture-of-experts MLP for the decoders' blocks (gpt.py, llama.py, where model.n_experts > 0).
+
+A router scores each token against the E experts and sends it to its k best; the expert MLPs run
+on the tokens sorted by expert as grouped matmuls (`jax.lax.ragged_dot`), so no (tokens x experts
+x width) tensor is made, and each token's k outputs are summed with the router's weights.
+Dropless by default: every expert takes all its tokens. With model.capacity_factor an expert
+takes at most C = ceil(factor x tokens x k / E) of a device's tokens, earliest first, and the rest
+skip it (the block's residual carries them). Shared experts (model.shared_experts) are one dense
+MLP every token goes through, split over `model` like the dense block's.
+
+The experts' weights have the logical axis `expert`, which the rules map to `data` (expert
+parallelism): inside the step each device holds E/d experts and parallel/expert.py carries the
+rows to their owners and back. The router's statistics (the load-balancing and z losses, the
+load) are means over the whole batch whatever the layout (expert.token_mean).
+Letters: B batch, T seq, N tokens (B*T), D embed, E experts, k experts per token, A rows (N*k),
+F an expert's width.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.config import ModelConfig
+from jaxpar.parallel import expert, tensor
+from jaxpar.parallel.rules import constrain
+
+# what a MoE block reports beside its output, each a mean over the MoE layers
+METRICS = ("moe_aux_loss", "moe_z_loss", "moe_max_load", "moe_dropped")
+
+
+def metric_names(cfg: ModelConfig) -> tuple[str, ...]:
+  """The metrics a block of `cfg` reports (stack.Parts.metrics): none for a dense MLP."""
+  if not cfg.n_experts:
+    return ()
+  return METRICS if cfg.capacity_factor else METRICS[:-1]
+
+
+def width(cfg: ModelConfig) -> int:
+  """An expert's hidden width, F."""
+  return cfg.moe_d_ff or cfg.d_ff
+
+
+def make_params(cfg: ModelConfig, param, glu: bool, out_std: float) -> dict:
+  """The MoE MLP's weights for L stacked layers, by name: the router (L, D, E); each expert's
+  in and out matmuls (L, E, D, F) and (L, E, F, D), SwiGLU's gate and up (`glu`) or GELU's one;
+  the shared experts' dense MLP of width shared_experts x F. `param` is decoder.param_maker's."""
+  L, D, E, F = cfg.n_layers, cfg.d_model, cfg.n_experts, width(cfg)
+  normal = nnx.initializers.normal
+  ins = ("e_gate", "e_up") if glu else ("e_w1",)
+  out = {"router": param((L, D, E), ("layers", "embed", None), normal(0.02))}
+  for name in ins:
+    out[name] = param((L, E, D, F), ("layers", "expert", "embed", "mlp"), normal(0.02))
+  out["e_down" if glu else "e_w2"] = param((L, E, F, D), ("layers", "expert", "mlp", "embed"),
+                                           normal(out_std))
+  Fs = cfg.shared_experts * F
+  if Fs:
+    for name in ("s_gate", "s_up") if glu else ("s_w1",):
+      out[name] = param((L, D, Fs), ("layers", "embed", "mlp"), normal(0.02))
+    out["s_down" if glu else "s_w2"] = param((L, Fs, D), ("layers", "mlp", "embed"),
+                                             normal(out_std))
+  return out
+
+
+def n_params(cfg: ModelConfig, glu: bool, active: bool) -> int:
+  """The MoE MLP's parameters in one layer: all of them, or those one token uses (`active`:
+  the router, k experts, the shared ones), the N of 6N FLOPs per token."""
+  D, E, F = cfg.d_model, cfg.n_experts, width(cfg)
+  per_expert = (3 if glu else 2) * D * F
+  used = cfg.experts_per_token if active else E
+  return D * E + (used + cfg.shared_experts) * per_expert
+
+
+def route(logits: jax.Array, k: int, softmax: str) -> tuple[jax.Array, jax.Array]:
+  """logits (N, E) float32 -> (weights (N, k) float32, experts (N, k) int32), the best first.
+  after_topk: the softmax over the k chosen logits (= Mixtral's softmax, top-k, renormalise);
+  before_topk: the softmax over all E, the k chosen probabilities as they are."""
+  top, experts = jax.lax.top_k(logits, k)
+  if softmax == "after_topk":
+    return jax.nn.softmax(top, -1), experts
+  return jnp.take_along_axis(jax.nn.softmax(logits, -1), experts, -1), experts
+
+
+def mlp(p: dict, h: jax.Array, cfg: ModelConfig, manual=frozenset()) -> tuple[jax.Array, dict]:
+  """One layer's MoE MLP. p: its weights (`make_params`' names, one layer's); h (B, T, D), the
+  normed residual -> ((B, T, D) in h's dtype, {METRICS name: float32 scalar})."""
+  B, T, D = h.shape
+  N, E, k = B * T, cfg.n_experts, cfg.experts_per_token
+  glu = "e_gate" in p
+  x = h.reshape(N, D)
+  logits = x.astype(jnp.float32) @ p["router"].astype(jnp.float32)  # (N, E)
+  weights, experts = route(logits, k, cfg.router_softmax)
+  flat = experts.reshape(N * k)  # row a = token a // k's choice a % k
+  counts = jnp.zeros((E,), jnp.int32).at[flat].add(1)  # (E,) rows per expert
+  starts = jnp.cumsum(counts) - counts
+  A = N * k
+  if cfg.capacity_factor:
+    C = math.ceil(cfg.capacity_factor * A / E)
+    rank = _rank_in_group(flat, starts)  # earlier tokens first, as a stable sort orders them
+    keep = rank < C
+    group_sizes = jnp.minimum(counts, C)
+    key = jnp.where(keep, flat, E)  # dropped rows sort last, past every group
+  else:
+    C, keep, group_sizes, key = A, None, counts, flat
+  order = jnp.argsort(key, stable=True)  # (A,) rows sorted by expert
+  rows = x[order // k]  # (A, D)
+
+  def experts_fn(rows, sizes):  # this device's experts on rows sorted by them
+    w = lambda name: p[name].astype(x.dtype)
+    dot = lambda a, name: jax.lax.ragged_dot(a, w(name), sizes)
+    if glu:
+      hid = jax.nn.silu(dot(rows, "e_gate")) * dot(rows, "e_up")
+    else:
+      hid = jax.nn.gelu(dot(rows, "e_w1"))
+    hid = constrain(hid, (None, "mlp"), manual=manual)  # (M, F), F split over `model`
+    return dot(hid, "e_down" if glu else "e_w2")
+
+  axis = expert.owner_axis(manual)
+  if axis is None:
+    out = experts_fn(rows, group_sizes)
+  else:  # a buffer per owner holds at most its experts' capacity, and at most every row
+    capacity = min(A, C * (E // jax.lax.axis_size(axis)))
+    out = expert.run_owned(rows, group_sizes, experts_fn, capacity, axis)
+  out = out[jnp.argsort(order)].reshape(N, k, D)  # back in token order
+  if keep is not None:
+    weights = jnp.where(keep.reshape(N, k), weights, 0.0)
+  y = jnp.einsum("nkd,nk->nd", out, weights.astype(out.dtype)).reshape(B, T, D)
+  if "s_down" in p or "s_w2" in p:
+    y = y + _shared(p, h, glu, manual)
+
+  mean = lambda v: expert.token_mean(v, manual)
+  load = mean(counts.astype(jnp.float32) / N)  # (E,) each expert's rows per token, summing to k
+  prob = mean(jnp.mean(jax.nn.softmax(logits, -1), 0))  # (E,)
+  metrics = {"moe_aux_loss": E * jnp.sum(load * prob),
+             "moe_z_loss": mean(jnp.mean(jnp.square(jax.nn.logsumexp(logits, -1)))),
+             "moe_max_load": jnp.max(load) * E / k}
+  if keep is not None:
+    metrics["moe_dropped"] = mean(1.0 - jnp.sum(keep) / A)
+  return y, metrics
+
+
+def _rank_in_group(flat: jax.Array, starts: jax.Array) -> jax.Array:
+  """Each row's place among the rows of its expert, in row order: flat (A,) experts -> (A,)."""
+  order = jnp.argsort(flat, stable=True)
+  place = jnp.zeros_like(order).at[order].set(jnp.arange(flat.shape[0], dtype=order.dtype))
+  return place - starts[flat]
+
+
+def _shared(p: dict, h: jax.Array, glu: bool, manual) -> jax.Array:
+  """The shared experts: a dense MLP over h (B, T, D), tensor-parallel like the dense block's."""
+  w = lambda name: p[name].astype(h.dtype)
+  if glu:
+    gate, up = tensor.column_parallel(h, [w("s_gate"), w("s_up")], manual)
+    return tensor.row_parallel(jax.nn.silu(gate) * up, w("s_down"), manual)
+  a, = tensor.column_parallel(h, [w("s_w1")], manual)
+  return tensor.row_parallel(jax.nn.gelu(a), w("s_w2"), manual)
