@@ -14,11 +14,15 @@ import numpy as np
 import pytest
 from conftest import child_env
 
+from test_equivalence import assert_trees_close, batches
+
 from jaxpar import config
+from jaxpar.analysis import hlo
 from jaxpar.config import ConfigError
 from jaxpar.models import moe
 from jaxpar.models import registry as jmodel
 from jaxpar.parallel import mesh as jmesh
+from jaxpar.train.step import Trainer
 
 RTOL = 1e-5
 BASE = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.d_ff=64",
@@ -163,3 +167,72 @@ def test_capacity_that_drops_nothing_equals_dropless():
   assert float(m["moe_dropped"]) == 0.0
   np.testing.assert_allclose(np.asarray(y_cap), np.asarray(y), rtol=1e-6, atol=1e-7)
 
+
+# -- expert parallelism against one device --------------------------------------------------------
+
+def train(cfg, shape, data):
+  """Per-step losses, the last step's metrics and the first step's gradients (host numpy)."""
+  n = int(np.prod(shape))
+  jmesh.check(shape, cfg, n)
+  t = Trainer(cfg, jmesh.make(shape, jax.devices()[:n]), jmodel.gpt(cfg), expose_grads=True)
+  state = t.init(cfg.train.seed)
+  losses, grads = [], None
+  for b in data:
+    state, m = t.step(state, {"tokens": jnp.asarray(b)})
+    losses.append(float(m["loss"]))
+    grads = jax.device_get(m["grads"]) if grads is None else grads
+  return np.array(losses), {k: float(v) for k, v in m.items() if k != "grads"}, grads
+
+
+@pytest.fixture(scope="module")
+def references():
+  out = {}
+
+  def get(kind):
+    if kind not in out:
+      cfg = make_cfg(f"model.kind={kind}")
+      data = batches(cfg, 2)
+      out[kind] = data, train(cfg, (1, 1, 1), data)
+    return out[kind]
+  return get
+
+
+# (kind, mesh, ZeRO stage): experts split alone, with tensor parallelism inside each expert, with
+# ZeRO-3 (the other weights gathered, the experts owned), and over data x model x context
+EP_LAYOUTS = [("gpt", (8, 1, 1), 0), ("llama", (4, 2, 1), 1), ("llama", (4, 2, 1), 3),
+              ("gpt", (2, 2, 1, 2), 2)]
+
+
+@pytest.mark.parametrize("kind,shape,stage", EP_LAYOUTS,
+                         ids=[f"{k}-{jmesh.spec_str(s)}-zero{z}" for k, s, z in EP_LAYOUTS])
+def test_expert_parallel_layout_matches_one_device(references, kind, shape, stage):
+  data, (ref_losses, ref_metrics, ref_grads) = references(kind)
+  losses, metrics, grads = train(make_cfg(f"model.kind={kind}", f"parallel.zero_stage={stage}"),
+                                 shape, data)
+  np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+  for name in ("lm_loss", "moe_aux_loss", "moe_z_loss", "moe_max_load"):
+    np.testing.assert_allclose(metrics[name], ref_metrics[name], rtol=RTOL, err_msg=name)
+  assert_trees_close(grads, ref_grads, "gradient")
+  assert ref_metrics["moe_aux_loss"] > 0 and ref_metrics["moe_max_load"] >= 1
+
+
+def expert_shapes(cfg, d, m):
+  """The shapes an expert weight of one layer, or of the stack, has gathered over data."""
+  E, D, F = cfg.model.n_experts, cfg.model.d_model, moe.width(cfg.model) // m
+  return {(E, D, F), (E, F, D), (cfg.model.n_layers, E, D, F), (cfg.model.n_layers, E, F, D)}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_expert_split_exchanges_by_all_to_all_and_never_gathers_the_experts(stage):
+  cfg = make_cfg("model.kind=llama", "model.moe_d_ff=48", f"parallel.zero_stage={stage}")
+  shape = (4, 2, 1)
+  jmesh.check(shape, cfg, 8)
+  t = Trainer(cfg, jmesh.make(shape), jmodel.gpt(cfg))
+  text = t.lower({"tokens": jax.ShapeDtypeStruct((8, 17), jnp.int32)}).compile().as_text()
+  moved = hlo.collective_bytes(text)
+  assert moved["all-to-all"] > 0
+  gathered = [tuple(dims) for c in hlo.collectives(text) if c.kind == "all-gather"
+              for _, dims in c.arrays]
+  assert not set(gathered) & expert_shapes(cfg, 4, 2), gathered
+  if stage == 3:  # the other weights are gathered, so the parse sees all-gathers at all
+    assert gathered

@@ -29,16 +29,24 @@ HOST = "pinned_host"
 # Name of every all-gathered parameter: `regather`'s checkpoint policy does not save these, so the
 # backward re-gathers a layer instead of keeping the whole stack unsharded until then.
 GATHERED = "zero3_gathered"
+# The ZeRO dim of a leaf the rules themselves split over `data` (a mixture's experts, rules.py):
+# each device owns its slice at every stage, so nothing gathers it, and its gradient arrives
+# already summed over the data shards by the transpose of the all-to-alls that fed it
+# (parallel/expert.py): the step divides it by the shard count and reduces nothing.
+OWNED = -2
 
 
 def zero_dim(shape, spec: P, logical, mesh_shape) -> int:
-  """The dimension that gets `data` (largest free, divisible), or -1 if there is none.
+  """The dimension that gets `data` (largest free, divisible), or -1 if there is none (`OWNED`
+  where the rules already split one over `data`).
 
   A dimension whose mesh axes all have size 1 counts as free: `model` of size 1 splits nothing.
   """
   n_data = mesh_shape[DATA]
   if n_data == 1:
     return -1
+  if any(DATA in ((a,) if isinstance(a, str) else a or ()) for a in spec):
+    return OWNED
   best = -1
   for i, dim in enumerate(shape):
     axes = spec[i] if i < len(spec) else None
@@ -193,11 +201,13 @@ def scatter_mean(grads: Any, dims: Any, scatter: bool) -> Any:
   """Inside a shard_map manual over `data`: mean of local grads over `data`.
 
   With `scatter`, leaves with a ZeRO dim are reduce-scattered onto it (ZeRO-2), the rest
-  all-reduced; without, everything is all-reduced (DDP, ZeRO-1).
+  all-reduced; without, everything is all-reduced (DDP, ZeRO-1). `OWNED` leaves are only divided.
   """
   n = jax.lax.axis_size(DATA)
 
   def one(g, d):
+    if d == OWNED:
+      return g / n
     if scatter and d >= 0:
       return in_float32(lambda x: jax.lax.psum_scatter(x, DATA, scatter_dimension=d, tiled=True)
                         / n)(g)

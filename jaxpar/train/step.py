@@ -446,8 +446,8 @@ class Trainer:
         # only one, in float32 (zero.in_float32). At stage 3 that is the leaves too small to
         # shard; the others are summed by the transpose of their all-gathers.
         params = jax.tree_util.tree_map(
-            lambda x, d: x if stage == 3 and d >= 0 else jax.lax.pcast(x, zero.DATA, to="varying"),
-            params, L.dims)
+            lambda x, d: x if (stage == 3 and d >= 0) or d == zero.OWNED
+            else jax.lax.pcast(x, zero.DATA, to="varying"), params, L.dims)
 
       # the global row where this shard's piece of the batch starts (the keys follow the rows)
       n_local = jax.tree_util.tree_leaves(batch)[0].shape[0]
@@ -506,7 +506,8 @@ class Trainer:
         # leaves too small to shard are summed here
         n = jax.lax.axis_size(zero.DATA)
         total = zero.in_float32(lambda g: jax.lax.psum(g, zero.DATA))
-        grads = jax.tree_util.tree_map(lambda g, d: (g if d >= 0 else total(g)) / n, grads, L.dims)
+        grads = jax.tree_util.tree_map(
+            lambda g, d: (g if d >= 0 or d == zero.OWNED else total(g)) / n, grads, L.dims)
       loss, aux = jax.lax.pmean((loss, aux), zero.DATA)
       return _unweighted(loss, aux, grads, accum, manual) if weighted else (loss, aux, grads)
 
