@@ -110,7 +110,7 @@ class TrainConfig:
   max_rollbacks: int = 3
   # A step that makes no progress this long ends the run (exit 1) with every thread's Python
   # stack and one sentence naming the processes that stopped answering
-  # (jaxpar/parallel/distributed.py, Watchdog). 0 = the default: 900 s for the first step (it holds the compile) and for saves and
+  # (jaxpar/parallel/watchdog.py). 0 = the default: 900 s for the first step (it holds the compile) and for saves and
   # evaluations, and for later steps the larger of 60 s and 10x the longest wait between steps.
   stall_timeout: float = 0.0
   first_step_timeout: float = 0.0

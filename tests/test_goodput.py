@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jaxpar import config
-from jaxpar.parallel import distributed
+from jaxpar.parallel import watchdog
 from jaxpar.train import loop
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -307,11 +307,11 @@ def test_the_new_keys_are_checked_and_the_watchdog_limits_default_as_documented(
       config.load(None, [bad])
   tc = config.load(None, []).train
   assert tc.spike_factor == 0  # the guard is off unless asked for
-  assert distributed.stall_limits(tc, None) == (900.0, 60.0)
-  assert distributed.stall_limits(tc, 9.0) == (900.0, 90.0)
-  assert distributed.peer_timeout(tc) == 60.0 < distributed.DEFAULT_HEARTBEAT_TIMEOUT
+  assert watchdog.stall_limits(tc, None) == (900.0, 60.0)
+  assert watchdog.stall_limits(tc, 9.0) == (900.0, 90.0)
+  assert watchdog.peer_timeout(tc) == 60.0 < watchdog.DEFAULT_HEARTBEAT_TIMEOUT
   tc = config.load(None, ["train.stall_timeout=5", "train.first_step_timeout=50"]).train
-  assert distributed.stall_limits(tc, 9.0) == (50.0, 5.0)
+  assert watchdog.stall_limits(tc, 9.0) == (50.0, 5.0)
 
 
 class _Store:
@@ -337,15 +337,15 @@ class _Store:
 def watched(monkeypatch, store, overrides, slow=True, peers=True, watch_s=1.5, first=False):
   """Runs a watchdog of process 0 of 2 over `store` for `watch_s` seconds in a wait marked as
   given (beats of 0.05 s, the wait on the peers read from 0.2 s on); the exit codes it took."""
-  monkeypatch.setattr(distributed, "_BEAT_S", 0.05)
-  monkeypatch.setattr(distributed, "_PEERS_AFTER_S", 0.2)
+  monkeypatch.setattr(watchdog, "_BEAT_S", 0.05)
+  monkeypatch.setattr(watchdog, "_PEERS_AFTER_S", 0.2)
   exits = []
 
   def exit_(code):
     exits.append(code)
     raise SystemExit(code)
-  monkeypatch.setattr(distributed.os, "_exit", exit_)
-  dog = distributed.Watchdog(config.load(None, overrides).train, 1)
+  monkeypatch.setattr(watchdog.os, "_exit", exit_)
+  dog = watchdog.Watchdog(config.load(None, overrides).train, 1)
   dog.pi, dog.pc, dog.client, dog._stop = 0, 2, store, threading.Event()
   if not first:
     dog.first_step_done()

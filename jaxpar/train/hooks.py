@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxpar import config as jconfig
 from jaxpar.analysis import profile as jprofile
-from jaxpar.parallel.distributed import Watchdog
+from jaxpar.parallel.watchdog import Watchdog
 from jaxpar.train import checkpoint as jckpt
 from jaxpar.train import metrics as jmetrics
 from jaxpar.train import preemption

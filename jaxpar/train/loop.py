@@ -28,6 +28,7 @@ from jaxpar.models import hf_weights
 from jaxpar.models.registry import build_model  # noqa: F401 (the model a run builds, by this name)
 from jaxpar.parallel import distributed as jdistributed
 from jaxpar.parallel import mesh as jmesh
+from jaxpar.parallel.watchdog import Watchdog
 from jaxpar.train import checkpoint as jckpt
 from jaxpar.train import executables
 from jaxpar.train import hooks
@@ -110,7 +111,7 @@ class _Run:
     abstract = _batch_abstract(self.batches.element_spec, pc)
     self.batch_sharding = trainer.batch_sharding(abstract)
     self.start = self.step = start or 0
-    self.watchdog = jdistributed.Watchdog(cfg.train, cfg.train.log_every)
+    self.watchdog = Watchdog(cfg.train, cfg.train.log_every)
     skipped = self._state_and_step(start, abstract, step_store)
     self.peak, self.peak_source = jmetrics.peak_flops_per_device(self.earlier_peak)
     logger = jmetrics.MetricsLogger(workdir if self.is_main else None,
