@@ -10,9 +10,9 @@ folder (train.compile_cache) that nothing else uses:
   restart  the same command again in the same workdir: it resumes the checkpoint the cold run
            saved when it was stopped, with the cache the cold run filled;
   new_run  the same command in another workdir: a new run of the same layout, same cache.
-The cold run compiles the step and keeps it in jaxpar's step store (jaxpar/train/executables.py),
-so the restart and the new run load it without tracing (`step_store: hit`); their `compile_s` is
-that load. With --repeat N each case runs N times, each from a fresh cache, and the ratios are
+The cold run compiles the step (past JAX's cache) and keeps it in jaxpar's step store
+(jaxpar/train/executables.py), so the restart and the new run load it without tracing
+(`step_store: hit`); their `compile_s` is that load, the entry's MAC check included. With --repeat N each case runs N times, each from a fresh cache, and the ratios are
 the medians (with their ranges). Each run starts once the files of the one before are on disk
 (os.sync), as a restart after a preemption does.
 Each run is stopped by SIGTERM once its first metrics row is written (it saves a checkpoint and
