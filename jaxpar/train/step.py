@@ -36,15 +36,10 @@ from jaxpar.parallel import rules as jrules
 from jaxpar.parallel.context import StepContext
 from jaxpar.train import checkpoint as jckpt
 from jaxpar.train import optim
+from jaxpar.train.pieces import WEIGHT, as_float_weight, over_context, unweighted, weighed
 from jaxpar.train.layout import StateLayout
 
 PIPE, CONTEXT = jmesh.PIPE, jmesh.CONTEXT
-# A loss_fn metric with this name is the loss's denominator in its piece of the batch (e.g. the
-# unmasked tokens of a masked mean). Pieces (data shards, accumulated microbatches) then combine
-# as sum(weight * loss) / sum(weight), the global batch's loss, instead of a mean of their means,
-# and so do the other float metrics (each taken as a mean over its piece). Without it every
-# metric is a plain mean over the pieces, which are equal in size.
-WEIGHT = "loss_weight"
 
 
 def _manual_only(spec: P, manual: frozenset) -> P:
@@ -55,58 +50,6 @@ def _manual_only(spec: P, manual: frozenset) -> P:
 # Trainer.step's default bound on the steps dispatched and unfinished at once: the host prepares
 # and dispatches step n + 1 while step n runs, and never runs further ahead than that.
 IN_FLIGHT = 2
-
-# What the step reports itself; loss_fn's metrics may not take these names.
-STEP_METRICS = ("loss", "grad_norm", "learning_rate", "grads", "skipped", "loss_scale")
-
-
-def _as_float_weight(loss, aux):
-  """(loss, metrics) of loss_fn, the WEIGHT metric, if any, in float32 (a count may come as an
-  int); a metric named like one of the step's own is refused."""
-  taken = sorted(set(aux) & set(STEP_METRICS))
-  if taken:
-    raise ConfigError(f"loss_fn returns the metric(s) {', '.join(map(repr, taken))}, a name the "
-                      f"step reports itself ({', '.join(STEP_METRICS)}); rename it")
-  if WEIGHT in aux:
-    aux = {**aux, WEIGHT: jnp.asarray(aux[WEIGHT], jnp.float32)}
-  return loss, aux
-
-
-def _over_context(loss, aux, manual: frozenset):
-  """A context-split piece's (loss, metrics), the means over its T/C tokens -> the means over the
-  sequence (the shares are equal in size); as it is without a context axis. Taken inside the
-  differentiated function: the parameters' gradients then come back summed over the ring."""
-  if CONTEXT not in manual:
-    return loss, aux
-  return jax.lax.pmean(loss, CONTEXT), {k: jax.lax.pmean(v, CONTEXT) if _is_float(v) else v
-                                        for k, v in aux.items()}
-
-
-def _is_float(v) -> bool:
-  return jnp.issubdtype(jnp.result_type(v), jnp.floating)
-
-
-def _weighed(loss, aux):
-  """One piece's loss and float metrics (its means) times its weight: its sums. A piece of
-  weight 0 adds 0 even where its own mean is 0/0; the gradient of such a mean is still NaN, so
-  loss_fn must keep a piece with nothing in it finite (divide by max(weight, 1))."""
-  w = jax.lax.stop_gradient(aux[WEIGHT])
-  times_w = lambda v: jnp.where(w > 0, v * w, jnp.zeros_like(v))
-  return times_w(loss), {k: times_w(v) if k != WEIGHT and _is_float(v) else v
-                         for k, v in aux.items()}
-
-
-def _unweighted(loss, aux, grads, accum: int, manual: frozenset):
-  """Means over the pieces of the weighed sums (loss, float metrics, gradients) and of the
-  weights -> the whole batch's weighted means; the logged weight becomes the batch's total."""
-  mean_w = aux[WEIGHT]
-  denom = jnp.maximum(mean_w, jnp.finfo(jnp.float32).tiny)  # a batch with no weight: loss 0
-  n = accum * (jax.lax.axis_size(zero.DATA) if zero.DATA in manual else 1)
-  aux = {k: v / denom if k != WEIGHT and _is_float(v) else v for k, v in aux.items()}
-  aux[WEIGHT] = mean_w * n
-  if grads is None:
-    return loss / denom, aux
-  return loss / denom, aux, jax.tree_util.tree_map(lambda g: g / denom.astype(g.dtype), grads)
 
 
 class Trainer:
@@ -357,15 +300,15 @@ class Trainer:
     def local(params, batch):
       if sched is not None:
         loss, aux, _ = model.pipeline(params, self._micro(batch), sched, ctx, forward_only=True)
-        loss, aux = _over_context(*_as_float_weight(loss, aux), manual)
+        loss, aux = over_context(*as_float_weight(loss, aux), manual)
       else:
-        loss, aux = _over_context(*_as_float_weight(*model.loss(params, batch, ctx)), manual)
+        loss, aux = over_context(*as_float_weight(*model.loss(params, batch, ctx)), manual)
       weighted = sched is None and WEIGHT in aux
       if weighted:
-        loss, aux = _weighed(loss, aux)
+        loss, aux = weighed(loss, aux)
       if data_sharded:
         loss, aux = jax.lax.pmean((loss, aux), zero.DATA)
-      return _unweighted(loss, aux, None, 1, manual) if weighted else (loss, aux)
+      return unweighted(loss, aux, None, 1, manual) if weighted else (loss, aux)
     return self._sharded(local, params, batch, (P(), P()))
 
   def eval_weighted(self, params, batch, weight):
@@ -388,7 +331,7 @@ class Trainer:
         loss, aux, _ = model.pipeline(params, micro, sched, ctx, forward_only=True)
       else:
         loss, aux = model.loss(params, jax.tree_util.tree_map(one_row, row), ctx)
-      loss, aux = _over_context(*_as_float_weight(loss, aux), manual)
+      loss, aux = over_context(*as_float_weight(loss, aux), manual)
       return (jnp.asarray(loss, jnp.float32),
               {k: jnp.asarray(v, jnp.float32) for k, v in aux.items()})
 
@@ -460,7 +403,7 @@ class Trainer:
           if CONTEXT in manual:  # each device's vjp is of its share's mean: average the shares
             mean = zero.in_float32(lambda g: jax.lax.pmean(g, CONTEXT))
             grads = jax.tree_util.tree_map(mean, grads)
-          return (*_over_context(*_as_float_weight(loss, aux), manual), grads)
+          return (*over_context(*as_float_weight(loss, aux), manual), grads)
 
         rng = {}
         if key_data is not None:
@@ -473,9 +416,9 @@ class Trainer:
             # reduce-scatter): inside the differentiated function, or it would stop nothing
             p = jax.tree_util.tree_map(lambda x, f: jax.lax.stop_gradient(x) if f else x, p,
                                        self.frozen)
-          loss, aux = _over_context(*_as_float_weight(*model.loss(p, mb, ctx, **rng)), manual)
+          loss, aux = over_context(*as_float_weight(*model.loss(p, mb, ctx, **rng)), manual)
           if WEIGHT in aux:  # this piece's sums, not its means (see WEIGHT)
-            loss, aux = _weighed(loss, aux)
+            loss, aux = weighed(loss, aux)
           return loss * scale, (loss, aux)
         (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
         return loss, aux, grads
@@ -499,7 +442,7 @@ class Trainer:
         grads = jax.tree_util.tree_map(lambda g: g / scale, grads)
       weighted = sched is None and WEIGHT in aux
       if not data_sharded:  # one data shard: nothing to reduce over `data`
-        return _unweighted(loss, aux, grads, accum, manual) if weighted else (loss, aux, grads)
+        return unweighted(loss, aux, grads, accum, manual) if weighted else (loss, aux, grads)
       if stage < 3:
         grads = zero.scatter_mean(grads, L.dims, scatter=stage == 2)
       else:  # sharded leaves were summed and scattered by the transpose of their all-gathers;
@@ -509,7 +452,7 @@ class Trainer:
         grads = jax.tree_util.tree_map(
             lambda g, d: (g if d >= 0 or d == zero.OWNED else total(g)) / n, grads, L.dims)
       loss, aux = jax.lax.pmean((loss, aux), zero.DATA)
-      return _unweighted(loss, aux, grads, accum, manual) if weighted else (loss, aux, grads)
+      return unweighted(loss, aux, grads, accum, manual) if weighted else (loss, aux, grads)
 
     return self._sharded(local, params, batch, (P(), P(), L.grads))
 
