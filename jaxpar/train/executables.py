@@ -70,7 +70,7 @@ EXCLUDED = (
     "checkpoint.every", "checkpoint.keep",
     # the loss-spike guard judges fetched losses on the host and restores a host copy (guard.py)
     "train.spike_factor", "train.spike_steps", "train.spike_window", "train.max_rollbacks",
-    # the watchdog's limits (parallel/distributed.py)
+    # the watchdog's limits (parallel/watchdog.py)
     "train.stall_timeout", "train.first_step_timeout",
     # where compiled programs are kept, and how many
     "train.compile_cache", "train.compile_cache_max_gb",
