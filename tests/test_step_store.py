@@ -180,6 +180,10 @@ def test_the_step_store_keys_what_makes_the_step_and_a_bad_entry_is_a_miss(
   with monkeypatch.context() as m:
     m.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=true")
     assert executables.fingerprint(trainer, batch, sharding) != key
+  with monkeypatch.context() as m:  # a cluster job's own coordinator port: the same step
+    m.setenv("JAX_COORDINATOR_PORT", "61234")
+    m.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:61234")
+    assert executables.fingerprint(trainer, batch, sharding) == key
   precision = jax.config.jax_default_matmul_precision
   jax.config.update("jax_default_matmul_precision", "highest")
   try:

@@ -89,7 +89,10 @@ _QUIET_OPTIONS = ("jax_enable_compilation_cache", "jax_compilation_cache_",
                   "jax_persistent_cache_min_", "jax_raise_persistent_cache_errors",
                   "jax_log_compiles", "jax_explain_cache_misses", "jax_logging_level",
                   "jax_debug_log_modules")
-_QUIET_ENV = ("JAX_ENABLE_COMPILATION_CACHE", "JAX_COMPILATION_CACHE_", "JAX_PERSISTENT_CACHE_MIN_")
+_QUIET_ENV = ("JAX_ENABLE_COMPILATION_CACHE", "JAX_COMPILATION_CACHE_", "JAX_PERSISTENT_CACHE_MIN_",
+              # where the processes meet (a new port each job on a cluster): the devices, the
+              # process index and the count are keyed themselves
+              "JAX_COORDINATOR_", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS")
 _CPUINFO = "/proc/cpuinfo"
 _CPU_FIELDS = ("vendor_id", "cpu family", "model", "model name", "flags",  # x86
                "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "Features")  # Arm
