@@ -30,11 +30,25 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--mesh", default="1x1x1", help="data x model x pipeline, e.g. 2x4x1")
+  p.add_argument("--mesh", default="1x1x1", metavar="DxMxP[xC]",
+                 help="data x model x pipeline [x context], e.g. 2x4x1 or 2x2x1x2")
   p.add_argument("--config", help="YAML file of overrides (see configs/)")
   p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                 help="config overrides; later ones win")
+                 help="config overrides; later ones win (keys: docs/config.md)")
+  add_print_config(p)
   p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def add_print_config(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--print-config", action="store_true",
+                 help="print the resolved config (defaults, --config, --set) as YAML and exit")
+
+
+def print_config(cfg: jconfig.Config) -> int:
+  """The config a run would use, as YAML a --config file takes back; exit code 0."""
+  import yaml  # a dependency of config.py already; here only for the dump
+  print(yaml.safe_dump(jconfig.to_dict(cfg), sort_keys=False), end="")
+  return 0
 
 
 def hf_model_keys(folder: str) -> dict:

@@ -1,10 +1,10 @@
 """Static plan of one training step, or a search for the best layout. Compiles, runs nothing.
 
-jaxpar-plan --mesh DxMxP [--config FILE] [--set key=value ...] [--json] [--debug]
+jaxpar-plan --mesh DxMxP[xC] [--config FILE] [--set key=value ...] [--json] [--debug]
   one layout: shardings, bytes per device, collectives, FLOPs (jaxpar/planning/plan.py)
 jaxpar-plan --auto --devices N [--memory-per-device BYTES] [--device-kind KIND]
     [--max-candidates K] [--time-limit S] [--top 5] [--config FILE] [--set ...] [--json]
-  every DxMxP mesh of N devices x ZeRO 0-3 x schedule x microbatches the model allows, each
+  every DxMxP mesh (and DxMx1xC for long sequences) of N devices x ZeRO 0-3 x schedule x microbatches the model allows, each
   compiled on N simulated devices, ranked by predicted step time among those whose peak bytes per
   device fit the budget (jaxpar/planning/autoplan.py)
 jaxpar-plan --analytic --devices N [--params PSI] [--state-bytes P,G,K] [...]
@@ -22,7 +22,7 @@ import math
 import re
 import sys
 
-from jaxpar import config
+from jaxpar import config, kinds
 from jaxpar.analysis import devices
 from jaxpar.commands import cli
 from jaxpar.parallel import mesh  # JAX's backends start only after the devices are set
@@ -58,7 +58,8 @@ def _args(argv):
                            "training step on --mesh, from the compiled program (nothing runs); "
                            "or, with --auto / --analytic, rank every layout of --devices devices "
                            "by predicted step time among those that fit in memory.")
-  ap.add_argument("--mesh", help="DxMxP: data x model x pipeline, e.g. 2x4x1 (one layout)")
+  ap.add_argument("--mesh", metavar="DxMxP[xC]",
+                  help="data x model x pipeline [x context], e.g. 2x4x1 or 2x2x1x2 (one layout)")
   mode = ap.add_mutually_exclusive_group()
   mode.add_argument("--auto", action="store_true",
                     help="compile every layout of --devices devices and rank them")
@@ -85,6 +86,7 @@ def _args(argv):
   ap.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[],
                   metavar="KEY=VALUE", help="config overrides; a later one wins")
   ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+  cli.add_print_config(ap)
   ap.add_argument("--debug", action="store_true", help="show tracebacks of input errors")
   return ap.parse_args(argv)
 
@@ -116,7 +118,7 @@ def _check_search_args(args) -> None:
   """One sentence for flags that do not go together."""
   search = args.auto or args.analytic
   if not search and not args.mesh:
-    raise config.ConfigError("give --mesh DxMxP for one layout, or --auto / --analytic with "
+    raise config.ConfigError("give --mesh DxMxP[xC] for one layout, or --auto / --analytic with "
                              "--devices N to rank layouts")
   if search and args.mesh:
     raise config.ConfigError("--mesh names one layout; --auto and --analytic choose it, "
@@ -142,6 +144,12 @@ def _check_search_args(args) -> None:
 def main(argv=None) -> int:
   args = _args(argv)
   try:
+    if args.print_config:  # the config a plan would compile, checked against --mesh if given
+      cfg = kinds.check(config.load(args.config, args.overrides, base=cli.hf_model_keys))
+      if args.mesh:
+        shape = mesh.parse(args.mesh)
+        mesh.check(shape, cfg, math.prod(shape))
+      return cli.print_config(cfg)
     _check_search_args(args)
     cfg = config.load(args.config, args.overrides, base=cli.hf_model_keys)
     cli.use_compile_cache(cfg)  # the cache train.py reads: a planned step is not compiled twice

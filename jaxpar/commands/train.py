@@ -1,13 +1,16 @@
-"""Train a model on a DxMxP mesh: jaxpar-train --mesh 2x4x1 [--config F] [--set k=v ...]
+"""Train a model on a DxMxP[xC] mesh: jaxpar-train --mesh 2x4x1 [--config F] [--set k=v ...]
 (or python -m jaxpar train, or python scripts/train.py in a checkout)."""
 from __future__ import annotations
 
+import math
 import os
 import sys
 
+from jaxpar import config, kinds
 from jaxpar.commands import cli
 from jaxpar.config import ConfigError
 from jaxpar.parallel import distributed
+from jaxpar.parallel import mesh as jmesh
 
 
 def main(argv=None) -> int:
@@ -34,7 +37,13 @@ def main(argv=None) -> int:
     if args.deepspeed:  # its overrides go first: --config < --deepspeed < --set
       from jaxpar.interop import deepspeed  # only --deepspeed reads a DeepSpeed config
       args.set = deepspeed.cli_overrides(args.deepspeed, args.mesh, args.set,
-                                         show=spec.process_id == 0) + args.set
+                                         show=spec.process_id == 0 and not args.print_config
+                                         ) + args.set
+    if args.print_config:  # what this run would train, checked against the mesh; nothing runs
+      cfg = kinds.check(config.load(args.config, args.set, base=cli.hf_model_keys))
+      shape = jmesh.parse(args.mesh)
+      jmesh.check(shape, cfg, math.prod(shape))
+      return cli.print_config(cfg)
     cli.check_outputs(("--workdir", args.workdir, "folder"),
                       *(("--workdir", os.path.join(args.workdir, sub), "folder")
                         for sub in ("checkpoints", "tb")),  # what the run makes inside it

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import math
 import os
 import shutil
 import threading
@@ -254,6 +255,8 @@ class _Run:
     measured = jmetrics.device_peak_memory_bytes()  # the allocator's own peak, where kept (GPU)
     losses, guard, state = report.losses, report.guard, self.state
     return {**self.profiling.summary(self.compiled, self.trainer), "steps": self.step,
+            "parameters": sum(math.prod(leaf.shape)  # the model's, as it is trained
+                              for leaf in jax.tree.leaves(self.trainer.model.abstract)),
             "steps_this_run": self.step - self.start, "examples_per_sec": eps,
             **({"rate_includes_warmup": True} if with_warmup else {}),
             **({"tokens_per_sec": eps * report.tokens_per_step / cfg.train.batch_size}
