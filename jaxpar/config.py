@@ -30,13 +30,13 @@ class ModelConfig:
   # A Hugging Face model folder (GPT2LMHeadModel or LlamaForCausalLM): its config.json sets the
   # model keys below (what --set or the file give still wins) and its weights start a new run.
   init_from: str = ""
-  n_layers: int = 4
-  d_model: int = 128
-  n_heads: int = 4
+  n_layers: int = 4  # transformer blocks (cnn: unused)
+  d_model: int = 128  # width of the residual stream
+  n_heads: int = 4  # attention heads; split over the model axis, so divisible by it
   n_kv_heads: int = 0  # 0 = n_heads (multi-head attention); fewer = grouped-query attention
-  d_ff: int = 512
+  d_ff: int = 512  # hidden units of each block's MLP; divisible by the model axis
   vocab_size: int = 256  # byte-level tokens
-  seq_len: int = 128
+  seq_len: int = 128  # tokens per training sequence (the context window)
   tie_embeddings: bool = False  # the LM head is the token embedding transposed (GPT-2's layout)
   max_positions: int = 0  # gpt: rows of the position table; 0 = seq_len (imports keep theirs)
   norm_eps: float = 1e-5  # llama: RMSNorm epsilon
@@ -56,12 +56,12 @@ class ModelConfig:
   # of a device's tokens, the rest pass by on the residual. moe_every: only 1 so far (the layer
   # scan runs identical layers).
   n_experts: int = 0
-  experts_per_token: int = 2
-  moe_every: int = 1
-  shared_experts: int = 0
-  moe_d_ff: int = 0
-  router_softmax: str = "after_topk"
-  capacity_factor: float = 0.0
+  experts_per_token: int = 2  # k: the experts the router sends each token to
+  moe_every: int = 1  # every how many layers is a mixture (only 1)
+  shared_experts: int = 0  # always-on experts added to every token
+  moe_d_ff: int = 0  # each expert's hidden units; 0 = d_ff
+  router_softmax: str = "after_topk"  # after_topk | before_topk (see n_experts)
+  capacity_factor: float = 0.0  # 0 = dropless; else each expert's share of a device's tokens
   num_classes: int = 10  # cnn only
 
 
@@ -69,34 +69,35 @@ class ModelConfig:
 class DataConfig:
   source: str = "local_text"  # local_text | tfds | synthetic
   name: str = ""  # TFDS dataset name when source=tfds
-  split: str = "train"
+  split: str = "train"  # the split trained on
   data_dir: str = ""  # local_text: built there, "" = <workdir>/data; tfds: "" = TFDS's default
   path: str = ""  # folder of text files for local_text; "" = this Python's standard library
   max_bytes: int = 8_000_000  # local_text: cap on bytes read from the folder (0 = no cap)
   eval_split: str = "validation"  # split evaluated every train.eval_every steps
   augment: bool = False  # images: random flips and 4-pixel crops of training batches
   tokenizer: str = ""  # tfds text: a `tokenizers` JSON file (tokenizer.json); "" = byte-level
-  workers: int = 2  # tfds: background threads reading and transforming batches; local_text and
-  # synthetic: any N > 0 is one thread reading two batches ahead (0 = everything in the loop)
+  # tfds: background threads reading and transforming batches; local_text and synthetic: any
+  # N > 0 is one thread reading two batches ahead (0 = everything in the loop)
+  workers: int = 2
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-  steps: int = 300
+  steps: int = 300  # total optimizer steps (--steps); the schedule is compiled from it
   batch_size: int = 16  # global, in sequences (or images)
-  grad_accum: int = 1
-  lr: float = 3e-3
-  warmup_steps: int = 30
-  min_lr_ratio: float = 0.1
-  weight_decay: float = 0.1
-  b1: float = 0.9
-  b2: float = 0.95
-  clip_norm: float = 1.0
-  seed: int = 0
-  log_every: int = 10
+  grad_accum: int = 1  # microbatches accumulated per step; divides batch_size
+  lr: float = 3e-3  # AdamW's peak learning rate, after the linear warmup
+  warmup_steps: int = 30  # linear warmup from 0 (capped at steps - 1)
+  min_lr_ratio: float = 0.1  # the cosine decay ends at this fraction of lr
+  weight_decay: float = 0.1  # AdamW's decoupled weight decay
+  b1: float = 0.9  # Adam's first-moment decay
+  b2: float = 0.95  # Adam's second-moment decay
+  clip_norm: float = 1.0  # global gradient-norm clipping (0 = none)
+  seed: int = 0  # data shuffling and each step's dropout key
+  log_every: int = 10  # steps between logged metrics rows
   eval_every: int = 0  # evaluate on data.eval_split every N steps (0 = never)
-  eval_steps: int = 10  # batches per evaluation (0 = the whole split: every example, the last
-  # batch padded and masked)
+  # batches per evaluation (0 = the whole split: every example, the last batch padded and masked)
+  eval_steps: int = 10
   skip_nonfinite: bool = False  # a step with a non-finite loss or gradient leaves the state as it was
   # Loss-spike guard (off at 0): a non-finite loss or gradient norm, or spike_steps losses in a row
   # above spike_factor x the median of the last spike_window losses, restores the last state a
@@ -105,15 +106,15 @@ class TrainConfig:
   # step), skips the batches trained since that state and goes on; after max_rollbacks rollbacks
   # the next spike stops the run. jaxpar.SpikeGuard is the same guard for a loop of your own.
   spike_factor: float = 0.0
-  spike_steps: int = 2
-  spike_window: int = 100
-  max_rollbacks: int = 3
+  spike_steps: int = 2  # losses in a row above the threshold that make a spike
+  spike_window: int = 100  # losses the running median is taken over
+  max_rollbacks: int = 3  # rollbacks allowed before a spike stops the run
   # A step that makes no progress this long ends the run (exit 1) with every thread's Python
   # stack and one sentence naming the processes that stopped answering
   # (jaxpar/parallel/watchdog.py). 0 = the default: 900 s for the first step (it holds the compile) and for saves and
   # evaluations, and for later steps the larger of 60 s and 10x the longest wait between steps.
   stall_timeout: float = 0.0
-  first_step_timeout: float = 0.0
+  first_step_timeout: float = 0.0  # the same limit for the first step, saves and evaluations
   # With several processes, a save, an evaluation or the first step may wait long on the others;
   # such a wait ends early (before its limit) only once a process's heartbeat has stood still
   # this long, naming it. 0 = the default, 60 s: a pause of tens of seconds (swap, a VM
@@ -134,16 +135,16 @@ class TrainConfig:
   # sum over experts of token fraction x mean router probability) and z-loss (ST-MoE: mean squared
   # log-sum-exp of the router logits), added to the training loss
   moe_aux_weight: float = 0.01
-  moe_z_weight: float = 0.001
+  moe_z_weight: float = 0.001  # weight of the router's z-loss (see moe_aux_weight)
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-  zero_stage: int = 0
-  offload_optimizer: bool = False
+  zero_stage: int = 0  # ZeRO over data: 1 optimizer state, 2 + gradients, 3 + parameters
+  offload_optimizer: bool = False  # keep the AdamW moments in pinned host memory
   microbatches: int = 0  # pipeline microbatches per step; 0 = 2 x the pipeline degree
   schedule: str = "gpipe"  # gpipe | circular | 1f1b
-  virtual_stages: int = 1
+  virtual_stages: int = 1  # layer blocks per pipeline stage (circular schedule only)
   # per-layer activation checkpointing: none | full (save only each layer's input) |
   # dots_saveable (keep weight matmuls' outputs) | offload (keep them in pinned_host); true = full
   remat: str = "none"
@@ -158,22 +159,22 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-  param_dtype: str = "float32"
+  param_dtype: str = "float32"  # storage dtype of the parameters (and their optimizer state)
   compute_dtype: str = "auto"  # auto = bfloat16 on GPU, float32 elsewhere
   # float16 compute: a static scale (a number) or "dynamic" (a no-op with other compute dtypes):
   # an overflowing step is skipped and multiplies the scale by `backoff` (not below `min_scale`);
   # `growth_interval` finite steps in a row double it. The scale is part of the train state.
   loss_scale: str = "1.0"
   initial_scale: float = 65536.0  # 2**16, DeepSpeed's and torch.amp's start
-  growth_interval: int = 2000
-  backoff: float = 0.5
-  min_scale: float = 1.0
+  growth_interval: int = 2000  # finite steps in a row that double a dynamic scale
+  backoff: float = 0.5  # factor on the scale after an overflowing step
+  min_scale: float = 1.0  # the dynamic scale's floor
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
   every: int = 0  # 0 = only at the end
-  keep: int = 3
+  keep: int = 3  # complete checkpoints kept; older ones are deleted
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""`--print-config`, the commands' help and the run
+"""docs/config.md against jaxpar/config.py, `--print-config`, the commands' help and the run
 summary's parameter count."""
 import dataclasses
+import importlib.util
 import pathlib
 import re
 
@@ -13,6 +14,38 @@ from jaxpar.commands import plan as plan_command
 from jaxpar.commands import train as train_command
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("gen_config_reference",
+                                              ROOT / "docs" / "gen_config_reference.py")
+gen = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gen)
+
+
+def keys() -> list[str]:
+  return [f"{s}.{k}" for s, body in config.to_dict(config.Config()).items() for k in body]
+
+
+def test_the_config_page_is_what_the_code_gives():
+  page = (ROOT / "docs" / "config.md").read_text()
+  assert page == gen.render(), "docs/config.md is stale: run python docs/gen_config_reference.py"
+  listed = re.findall(r"^- `([\w.]+)` \((\w+), default (.+?)\): (.+)$", page, re.M)
+  assert [k for k, *_ in listed] == keys()  # every key, once, in the dataclasses' order
+  defaults = config.to_dict(config.Config())
+  for key, typ, default, meaning in listed:
+    section, name = key.split(".")
+    value = defaults[section][name]
+    assert typ == type(value).__name__, key
+    text = default.strip("`")
+    assert (float(text) if typ == "float" else yaml.safe_load(text)) == value, key
+    assert meaning.strip(), f"{key} has no meaning: a comment beside it in jaxpar/config.py"
+
+
+def test_a_fields_meaning_is_the_block_above_it_and_its_own_comment():
+  meaning = gen.meanings((ROOT / "jaxpar" / "config.py").read_text())
+  assert meaning["model.kind"].startswith("gpt (GPT-2 style)")  # its own line's comment
+  assert meaning["train.eval_steps"].startswith("batches per evaluation (0 = the whole split")
+  assert "background threads" in meaning["data.workers"]  # the block above, not the line below
+  assert meaning["train.spike_factor"].startswith("Loss-spike guard")
+  assert "Loss-spike" not in meaning["train.skip_nonfinite"]  # the block below is the next key's
 
 
 def _yaml(capsys, code: int) -> dict:
@@ -35,12 +68,15 @@ def test_print_config_prints_the_resolved_config_and_trains_nothing(main, tmp_pa
                                                                     capsys):
   monkeypatch.chdir(tmp_path)
   medium = ROOT / "configs" / "gpt_medium.yaml"
-  got = _yaml(capsys, main(["--mesh", "8x1x1", "--config", str(medium), "--print-config",
+  steps = ["--steps", "7"] if main is train_command.main else []  # train.py's --steps is the total
+  got = _yaml(capsys, main(["--mesh", "8x1x1", "--config", str(medium), "--print-config", *steps,
                             "--set", "train.lr=0.01", "model.n_layers=2"]))
   want = _expected(yaml.safe_load(medium.read_text()), {"train": {"lr": 0.01},
-                                                        "model": {"n_layers": 2}})
+                                                        "model": {"n_layers": 2}},
+                   {"train": {"steps": 7}} if steps else {})
   assert got == want
-  assert config.from_dict(got) == config.load(str(medium), ["train.lr=0.01", "model.n_layers=2"])
+  assert config.from_dict(got) == config.load(str(medium), ["train.lr=0.01", "model.n_layers=2",
+                                                            *(["train.steps=7"] if steps else [])])
   assert list(tmp_path.iterdir()) == []  # no workdir, no data, no checkpoint
   # a config that does not fit the mesh is refused as a run would refuse it
   assert main(["--mesh", "1x3x1", "--print-config"]) == 2

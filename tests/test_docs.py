@@ -1,10 +1,14 @@
-"""README.md and BUILD.md as a new user meets them: every command a CPU machine can run, in the
-order written, in one fresh folder; then the plain-orbax snippet on the checkpoint they left.
+"""The README, the guides in docs/ (in the site's order, mkdocs.yml's nav) and BUILD.md as a new
+user meets them: every command a CPU machine can run, in the order written, in one fresh folder;
+the plain-orbax snippet on the checkpoint they left; and the site, built strictly.
 
 Commands are taken from the docs' ```bash blocks (lines that start with `python scripts/`, and the
-part of README's first command after its install). Training commands get `--steps 4` and a small
-text cap so the sequence takes a minute; that is the only change, and it is the same for all, so
-what one command leaves in a workdir is what the next one finds there.
+part of README's first command after its install) and from table cells that hold one (the
+README's task index). A command met a second time (the index's, again in its guide) runs once.
+Training commands get `--steps 4` and a small text cap so the sequence takes a minute; that is
+the only change, and it is the same for all, so what one command leaves in a workdir is what the
+next one finds there. A training command on a workdir trained before in the sequence is a
+restart: it gets 4 steps more than that workdir holds, and must say it resumes.
 """
 import json
 import math
@@ -15,6 +19,7 @@ import shlex
 import subprocess
 import sys
 
+import yaml
 from conftest import child_env
 
 from jaxpar.commands import plan as plan_command
@@ -22,14 +27,30 @@ from jaxpar.commands import train as train_command
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FAST = ["--steps", "4", "--no-progress", "--set", "data.max_bytes=300000"]
+# Site pages that are the repository's own files (docs/hooks.py), not files in docs/.
+TOP = {"index.md": "README.md", "build.md": "BUILD.md", "architecture.md": "ARCHITECTURE.md"}
+
+
+def docs() -> list[str]:
+  """README.md, the guides in the site's order, BUILD.md: the order a new user reads them."""
+  site = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+  pages = [page for entry in site["nav"] for page in entry.values()]
+  guides = [f"docs/{page}" for page in pages if page not in TOP]
+  assert sorted(guides) == sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))
+  return ["README.md", *guides, "BUILD.md"]
 
 
 def commands(doc: str) -> list[str]:
-  """`python scripts/...` lines of the doc's bash blocks, in order, plus its marked examples."""
+  """`python scripts/...` lines of the doc's bash blocks and table cells, in order, plus its
+  marked examples."""
   out = []
-  for block in re.finditer(r"```bash\n(.*?)```|<!-- example: (\w+) -->", (ROOT / doc).read_text(), re.S):
+  for block in re.finditer(r"```bash\n(.*?)```|<!-- example: ([\w-]+) -->|^\|[^\n]*?\| `(python scripts/[^`]+)` \|",
+                           (ROOT / doc).read_text(), re.S | re.M):
     if block.group(2):
       out.append(f"example:{block.group(2)}")
+      continue
+    if block.group(3):
+      out.append(block.group(3))
       continue
     previous = ""
     for raw in block.group(1).splitlines():
@@ -131,25 +152,46 @@ def test_the_documented_deepspeed_config_maps_to_the_readme_table(capsys):
   assert {k: _value(v) for k, v in (w.split("=", 1) for w in overrides)} == want
 
 
+def sequence() -> list[tuple[str, str]]:
+  """(doc, command) in reading order, each command once (where it first appears)."""
+  out, seen = [], set()
+  for doc in docs():
+    for cmd in commands(doc):
+      if cmd not in seen:
+        seen.add(cmd)
+        out.append((doc, cmd))
+  return out
+
+
+def _workdir(argv: list[str]) -> str:
+  return os.path.normpath(argv[argv.index("--workdir") + 1] if "--workdir" in argv else "workdir")
+
+
 def test_docs_commands_run_in_order(tmp_path, monkeypatch, capsys):
-  for d in ("scripts", "configs"):
+  for d in ("scripts", "configs", "jaxpar"):  # jaxpar: the own-data guide trains on its source
     os.symlink(ROOT / d, tmp_path / d)
   env = child_env("JAX_PLATFORMS")
-  sequence = [("README.md", c) for c in commands("README.md")] + \
-             [("BUILD.md", c) for c in commands("BUILD.md")]
-  ran = [c for _, c in sequence]
+  steps = sequence()
+  ran = [c for _, c in steps]
   assert ran[0] == "python scripts/train.py --mesh 2x4x1", ran  # the main job comes first
   assert any("launch_local.py" in c for c in ran) and any("generate.py" in c for c in ran)
   assert "example:orbax" in ran
-  for doc, cmd in sequence:
+  trained = {}  # workdir -> the step its checkpoint is at
+  for doc, cmd in steps:
+    restart = False
     if cmd.startswith("example:"):
       name = cmd.split(":")[1]
-      if name != "orbax":  # the README's own-model examples are run by test_readme.py
+      if name != "orbax":  # the own-model examples are run by test_readme.py and others
         continue
       r = subprocess.run([sys.executable, "-c", example(doc, name)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     else:
       argv = fast(shlex.split(cmd)[1:])
+      if "scripts/train.py" in argv and "--print-config" not in argv:
+        restart = _workdir(argv) in trained
+        if restart:  # 4 steps past where the workdir's checkpoint is
+          argv += ["--steps", str(trained[_workdir(argv)] + 4)]
+        trained[_workdir(argv)] = trained.get(_workdir(argv), 0) + 4
       r = (in_process(argv, tmp_path, monkeypatch, capsys) if argv[0] in IN_PROCESS
            and "--mesh" in argv and _devices(argv[argv.index("--mesh") + 1]) == 8
            else subprocess.run([sys.executable] + argv, cwd=tmp_path, env=env,
@@ -157,7 +199,13 @@ def test_docs_commands_run_in_order(tmp_path, monkeypatch, capsys):
     what = f"{doc}: {cmd}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     assert r.returncode == 0, what
     assert "Traceback" not in r.stderr, what
-    if "scripts/train.py" in cmd:  # each trains: no silent resume of another run's checkpoint
+    if "--print-config" in cmd:  # the config the run would train, as YAML; nothing trained
+      printed = yaml.safe_load(r.stdout)
+      assert printed["train"]["steps"] == 4 and printed["data"]["max_bytes"] == 300000, what
+    elif restart:  # the workdir's run goes on from its checkpoint
+      assert f"resuming from the checkpoint at step {trained[_workdir(argv)] - 4}" in r.stdout, what
+      assert f"steps: {trained[_workdir(argv)]}" in r.stdout, what
+    elif "scripts/train.py" in cmd:  # each trains: no silent resume of another run's checkpoint
       assert "resuming" not in r.stdout and "nothing to train" not in r.stdout, what
       assert "steps: 4" in r.stdout, what
     if "--deepspeed" in cmd:  # the mapping it printed and what it cannot honour
@@ -170,7 +218,7 @@ def test_docs_commands_run_in_order(tmp_path, monkeypatch, capsys):
   # The next two end before any compile: in process (the command's main, in the same folder).
   monkeypatch.chdir(tmp_path)
   capsys.readouterr()
-  # the main job again: its checkpoint is at --steps, so one line and exit 0
+  # the main job again: its checkpoint is past --steps, so one line and exit 0
   code = train_command.main(["--mesh", "2x4x1", *FAST])
   again = capsys.readouterr()
   assert code == 0 and "nothing to train" in again.out, again.err
@@ -191,10 +239,20 @@ RUN_BY = {"nnx": "test_readme.py", "linen": "test_readme.py", "nnx-checkpoint": 
 
 
 def test_every_example_is_run_by_a_test():
-  for doc in ("README.md", "BUILD.md"):
+  for doc in docs():
     for name in re.findall(r"<!-- example: ([\w-]+) -->", (ROOT / doc).read_text()):
       if name == "orbax":
         continue
       assert name in RUN_BY, f"{doc}'s example {name} is run by no test: add it to RUN_BY"
       test = (ROOT / "tests" / RUN_BY[name]).read_text()
       assert f'"{name}"' in test or f"example: {name} -->" in test, (name, RUN_BY[name])
+
+
+def test_the_readme_is_short_and_the_site_builds_strictly(tmp_path):
+  """A README a newcomer reads in one sitting, and the site (every page, link and anchor) built
+  as .ci/run builds it: a broken link, a missing anchor or a page left out of the nav fails."""
+  assert len((ROOT / "README.md").read_text().splitlines()) <= 200
+  r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path)],
+                     cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert (tmp_path / "index.html").is_file() and (tmp_path / "build" / "index.html").is_file()

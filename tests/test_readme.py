@@ -1,17 +1,18 @@
-"""The README's own-model examples, run exactly as written, and checked against one device."""
+"""The own-model examples of docs/own-model.md, run exactly as written, and checked against one
+device."""
 import pathlib
 import re
 
 import numpy as np
 import pytest
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "own-model.md"
 
 
 def example(name: str) -> str:
-  text = README.read_text()
+  text = GUIDE.read_text()
   m = re.search(rf"<!-- example: {name} -->\s*```python\n(.*?)```", text, re.S)
-  assert m, f"README has no example {name!r}"
+  assert m, f"docs/own-model.md has no example {name!r}"
   return m.group(1)
 
 
@@ -20,9 +21,9 @@ def test_readme_example_trains_and_matches_one_device(name):
   code = example(name)
   assert 'make_mesh("2x4x1")' in code
   sharded = {}
-  exec(compile(code, f"README:{name}", "exec"), sharded)
+  exec(compile(code, f"own-model:{name}", "exec"), sharded)
   single = {}
-  exec(compile(code.replace('make_mesh("2x4x1")', 'make_mesh("1x1x1")'), f"README:{name}:1x1x1",
+  exec(compile(code.replace('make_mesh("2x4x1")', 'make_mesh("1x1x1")'), f"own-model:{name}:1x1x1",
                "exec"), single)
   losses = np.array(sharded["losses"])
   assert losses[-1] < 0.5 * losses[0]
@@ -67,7 +68,7 @@ def test_readme_end_to_end_example_continues_the_run_and_exports_a_users_model(n
   steps' on 2x4x1, and the export says the model is the user's own."""
   import jax
   scope = {}
-  exec(compile(example(name), f"README:{name}", "exec"), scope)
+  exec(compile(example(name), f"own-model:{name}", "exec"), scope)
   assert scope["trainer"].layout.stage == 3 and scope["trainer"].mesh.shape["data"] == 8
   unbroken = scope["make_trainer"]("2x4x1")
   state, losses = unbroken.init(seed=0), []

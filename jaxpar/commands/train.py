@@ -41,6 +41,8 @@ def main(argv=None) -> int:
                                          ) + args.set
     if args.print_config:  # what this run would train, checked against the mesh; nothing runs
       cfg = kinds.check(config.load(args.config, args.set, base=cli.hf_model_keys))
+      if args.steps is not None:  # as loop.run applies it
+        cfg = config.override(cfg, train={"steps": args.steps})
       shape = jmesh.parse(args.mesh)
       jmesh.check(shape, cfg, math.prod(shape))
       return cli.print_config(cfg)
