@@ -27,8 +27,9 @@ class RunError(RuntimeError):
 @dataclass(frozen=True)
 class ModelConfig:
   kind: str = "gpt"  # gpt (GPT-2 style) | llama (RMSNorm, rotary, SwiGLU) | cnn
-  # A Hugging Face model folder (GPT2LMHeadModel or LlamaForCausalLM): its config.json sets the
-  # model keys below (what --set or the file give still wins) and its weights start a new run.
+  # A Hugging Face model folder (GPT-2, Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
+  # Qwen3-MoE; docs/moe.md): its config.json sets the model keys below (what --set or the file
+  # give still wins) and its weights start a new run.
   init_from: str = ""
   n_layers: int = 4  # transformer blocks (cnn: unused)
   d_model: int = 128  # width of the residual stream
@@ -38,9 +39,13 @@ class ModelConfig:
   vocab_size: int = 256  # byte-level tokens
   seq_len: int = 128  # tokens per training sequence (the context window)
   tie_embeddings: bool = False  # the LM head is the token embedding transposed (GPT-2's layout)
-  max_positions: int = 0  # gpt: rows of the position table; 0 = seq_len (imports keep theirs)
+  # gpt: rows of the position table; 0 = seq_len (imports keep theirs). llama: the longest
+  # sequence it is exact for, an imported sliding window (jaxpar's attention has none)
+  max_positions: int = 0
   norm_eps: float = 1e-5  # llama: RMSNorm epsilon
   rope_theta: float = 10000.0  # llama: rotary base
+  qkv_bias: bool = False  # llama: biases on the q, k, v projections (Qwen2, Qwen2-MoE)
+  qk_norm: bool = False  # llama: RMSNorm of each head's q and k before rotary (Qwen3, Qwen3-MoE)
   # gpt, llama: residual dropout (GPT-2's) on the embeddings and on each block's attention and MLP
   # outputs, in training only; its masks follow each step's key (train.seed, the step) and the
   # global batch row, so every layout draws the same ones. In [0, 1); not with a pipeline.
@@ -48,7 +53,8 @@ class ModelConfig:
   # gpt, llama: mixture of experts (models/moe.py). n_experts=0: a dense MLP in every block.
   # Otherwise each block's MLP is n_experts experts of width moe_d_ff (0 = d_ff), each token sent
   # to experts_per_token of them by a router; shared_experts always-on experts (one dense MLP of
-  # their summed width) are added to every token (DeepSeek, Qwen2-MoE without its gate).
+  # their summed width) are added to every token (DeepSeek); shared_expert_gate scales their output
+  # per token by sigmoid(x . w), a learned (D,) vector per layer (Qwen2-MoE's shared_expert_gate).
   # router_softmax: after_topk = the softmax over the k chosen logits (Mixtral's softmax, top-k,
   # renormalise; Qwen2/3-MoE with norm_topk_prob) | before_topk = the softmax over all experts,
   # the k chosen probabilities kept as they are (Qwen2-MoE's default, DeepSeek-V2, Switch).
@@ -62,6 +68,7 @@ class ModelConfig:
   moe_d_ff: int = 0  # each expert's hidden units; 0 = d_ff
   router_softmax: str = "after_topk"  # after_topk | before_topk (see n_experts)
   capacity_factor: float = 0.0  # 0 = dropless; else each expert's share of a device's tokens
+  shared_expert_gate: bool = False  # sigmoid(x . w) scales the shared experts (Qwen2-MoE)
   num_classes: int = 10  # cnn only
 
 
@@ -317,10 +324,13 @@ def validate(cfg: Config) -> Config:
 
 
 _MOE_KEYS = ("experts_per_token", "moe_every", "shared_experts", "moe_d_ff", "router_softmax",
-             "capacity_factor")
+             "capacity_factor", "shared_expert_gate")
 
 
 def _check_experts(mc: ModelConfig) -> None:
+  for name in ("qkv_bias", "qk_norm"):
+    if getattr(mc, name) and mc.kind != "llama":
+      raise ConfigError(f"config key model.{name}=True is for model.kind=llama, not {mc.kind}")
   if not mc.n_experts:
     dense = ModelConfig()
     for name in _MOE_KEYS:
@@ -331,6 +341,8 @@ def _check_experts(mc: ModelConfig) -> None:
   if mc.experts_per_token > mc.n_experts:
     raise ConfigError(f"config key model.experts_per_token={mc.experts_per_token} is more than "
                       f"model.n_experts={mc.n_experts}")
+  if mc.shared_expert_gate and not mc.shared_experts:
+    raise ConfigError("config key model.shared_expert_gate=True needs model.shared_experts > 0")
   if mc.moe_every != 1:
     raise ConfigError(f"config key model.moe_every={mc.moe_every} is not supported: the layer "
                       "scan runs identical layers, so every layer is a mixture of experts; use 1")

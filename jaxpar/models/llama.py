@@ -1,5 +1,5 @@
 """Llama-style decoder: RMSNorm, rotary position embeddings, SwiGLU MLP, grouped-query attention,
-untied or tied LM head. The same parameter conventions as Hugging Face's LlamaForCausalLM (rotary
+untied or tied LM head; optionally q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3). The same parameter conventions as Hugging Face's LlamaForCausalLM (rotary
 on the two halves of each head, `rotate_half`), so its checkpoints load without permutation.
 
 Only the model's own pieces live here (parameters, `block`, `embed`, `head`); the layer scan,
@@ -36,6 +36,14 @@ class Layers(nnx.Module):
     self.wk = param((L, D, G * K), ("layers", "embed", "heads"), normal)
     self.wv = param((L, D, G * K), ("layers", "embed", "heads"), normal)
     self.wo = param((L, H * K, D), ("layers", "heads", "embed"), normal)
+    if cfg.qkv_bias:
+      zeros = nnx.initializers.zeros
+      self.bq = param((L, H * K), ("layers", "heads"), zeros)
+      self.bk = param((L, G * K), ("layers", "heads"), zeros)
+      self.bv = param((L, G * K), ("layers", "heads"), zeros)
+    if cfg.qk_norm:
+      self.q_norm = param((L, K), ("layers", "kv"), ones)
+      self.k_norm = param((L, K), ("layers", "kv"), ones)
     self.mlp_norm = param((L, D), ("layers", "embed"), ones)
     if cfg.n_experts:  # a mixture of SwiGLU experts (models/moe.py), Mixtral's
       for name, value in moe.make_params(cfg, param, glu=True, out_std=0.02).items():
@@ -82,16 +90,21 @@ def rotary(x: jax.Array, theta: float, positions: jax.Array | None = None) -> ja
 
 
 def _qkv(p: dict, x: jax.Array, cfg: ModelConfig, manual, positions=None) -> tuple[jax.Array, ...]:
-  """Pre-norm, projections, rotary. x (B, T, D) -> q (B, T, H, K), k and v (B, T, G, K)."""
+  """Pre-norm, projections (+ biases), q/k norms, rotary. x (B, T, D) -> q (B, T, H, K), k and v
+  (B, T, G, K)."""
   B, T, D = x.shape
   H, G = cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
   K = D // H
   w = lambda name: p[name].astype(x.dtype)
   h = rms_norm(x, p["attn_norm"], cfg.norm_eps)  # split along seq under sequence parallel
   q, k, v = tensor.column_parallel(h, [w("wq"), w("wk"), w("wv")], manual)  # over heads
-  q = rotary(q.reshape(B, T, H, K), cfg.rope_theta, positions)
-  k = rotary(k.reshape(B, T, G, K), cfg.rope_theta, positions)
-  v = v.reshape(B, T, G, K)
+  if cfg.qkv_bias:
+    q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
+  q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, G, K), v.reshape(B, T, G, K)
+  if cfg.qk_norm:  # over each head's K, before the rotation
+    q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
+  q = rotary(q, cfg.rope_theta, positions)
+  k = rotary(k, cfg.rope_theta, positions)
   return constrain(q, ("batch", "seq", "heads", "kv"), manual=manual), k, v
 
 
@@ -165,7 +178,8 @@ def n_params_nonembedding(cfg: ModelConfig) -> int:
   G = cfg.n_kv_heads or cfg.n_heads
   K = D // cfg.n_heads
   mlp = moe.n_params(cfg, glu=True, active=True) if cfg.n_experts else 3 * D * F
-  return L * (2 * D * D + 2 * D * G * K + mlp + 2 * D) + D
+  attn_extra = (D + 2 * G * K) * cfg.qkv_bias + 2 * K * cfg.qk_norm
+  return L * (2 * D * D + 2 * D * G * K + attn_extra + mlp + 2 * D) + D
 
 
 MODULE = Llama

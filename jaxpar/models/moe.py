@@ -6,7 +6,8 @@ x width) tensor is made, and each token's k outputs are summed with the router's
 Dropless by default: every expert takes all its tokens. With model.capacity_factor an expert
 takes at most C = ceil(factor x tokens x k / E) of a device's tokens, earliest first, and the rest
 skip it (the block's residual carries them). Shared experts (model.shared_experts) are one dense
-MLP every token goes through, split over `model` like the dense block's.
+MLP every token goes through, split over `model` like the dense block's, its output scaled per
+token by sigmoid(h . shared_gate) with model.shared_expert_gate (Qwen2-MoE's).
 
 The experts' weights have the logical axis `expert`, which the rules map to `data` (expert
 parallelism): inside the step each device holds E/d experts and parallel/expert.py carries the
@@ -61,6 +62,8 @@ def make_params(cfg: ModelConfig, param, glu: bool, out_std: float) -> dict:
       out[name] = param((L, D, Fs), ("layers", "embed", "mlp"), normal(0.02))
     out["s_down" if glu else "s_w2"] = param((L, Fs, D), ("layers", "mlp", "embed"),
                                              normal(out_std))
+  if cfg.shared_expert_gate:
+    out["shared_gate"] = param((L, D), ("layers", "embed"), normal(0.02))
   return out
 
 
@@ -70,7 +73,7 @@ def n_params(cfg: ModelConfig, glu: bool, active: bool) -> int:
   D, E, F = cfg.d_model, cfg.n_experts, width(cfg)
   per_expert = (3 if glu else 2) * D * F
   used = cfg.experts_per_token if active else E
-  return D * E + (used + cfg.shared_experts) * per_expert
+  return D * E + (used + cfg.shared_experts) * per_expert + D * cfg.shared_expert_gate
 
 
 def route(logits: jax.Array, k: int, softmax: str) -> tuple[jax.Array, jax.Array]:
@@ -128,7 +131,10 @@ def mlp(p: dict, h: jax.Array, cfg: ModelConfig, manual=frozenset()) -> tuple[ja
     weights = jnp.where(keep.reshape(N, k), weights, 0.0)
   y = jnp.einsum("nkd,nk->nd", out, weights.astype(out.dtype)).reshape(B, T, D)
   if "s_down" in p or "s_w2" in p:
-    y = y + _shared(p, h, glu, manual)
+    s = _shared(p, h, glu, manual)  # (B, T, D), split along seq like h under sequence parallel
+    if "shared_gate" in p:
+      s = s * jax.nn.sigmoid(h @ p["shared_gate"].astype(h.dtype))[..., None]
+    y = y + s
 
   mean = lambda v: expert.token_mean(v, manual)
   load = mean(counts.astype(jnp.float32) / N)  # (E,) each expert's rows per token, summing to k
