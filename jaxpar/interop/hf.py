@@ -1,4 +1,5 @@
-"""Hugging Face model folders in and out: GPT2LMHeadModel and LlamaForCausalLM.
+"""Hugging Face model folders in and out: GPT2LMHeadModel and the Llama family (Llama, Mistral,
+Qwen2, Qwen3, and the mixtures Mixtral, Qwen2-MoE, Qwen3-MoE; its config.json is hf_llama.py's).
 
 In: `config.json` gives the model keys (`model_overrides`); `*.safetensors` (one file or a sharded
 index) give the parameters, read one jaxpar tensor at a time and put straight onto its sharding
@@ -9,8 +10,8 @@ layout, written tensor by tensor, with a `config.json` that `transformers` loads
 Layout differences handled here: GPT-2's Conv1D weights are (in, out) like jaxpar's, Llama's
 Linear weights are (out, in) and are transposed; GPT-2's joined q/k/v is split (its key bias is
 dropped: it shifts every score of a query equally, which softmax ignores, and is written back as
-zeros); layers are stacked on jaxpar's leading axis. Both use rotary / position conventions that
-jaxpar's decoders share, so nothing is permuted.
+zeros); layers are stacked on jaxpar's leading axis, a mixture's experts on the next. Both use
+rotary / position conventions that jaxpar's decoders share, so nothing is permuted.
 """
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ import numpy as np
 from jaxpar import config as jconfig
 from jaxpar import kinds
 from jaxpar.config import ConfigError
+from jaxpar.interop import hf_llama
 from jaxpar.interop.export import STEP_REMEDY, checkpoint_step, write_safetensors, writes
 from jaxpar.interop.generate import Codec
-from jaxpar.models.hf_weights import (Folder,  # noqa: F401 (the weights' side of a folder)
-                                      _read_json, load_params, names, read_param)
+from jaxpar.models.hf_weights import (MIXTRAL_MOE, QWEN_MOE, Folder,  # noqa: F401 (the weights'
+                                      _read_json, load_params, names, read_param)  # side)
 from jaxpar.train import checkpoint
 
 GPT2, LLAMA = kinds.KINDS["gpt"].hf_architecture, kinds.KINDS["llama"].hf_architecture
@@ -39,9 +41,9 @@ def architecture(folder: str) -> tuple[str, dict]:
   path = os.path.join(folder, "config.json")
   hf = _read_json(path)
   arch = (hf.get("architectures") or [None])[0]
-  if arch not in (GPT2, LLAMA):
-    raise ConfigError(f"{path}: architecture {arch!r} is not supported (jaxpar reads {GPT2} "
-                      f"and {LLAMA})")
+  if arch not in (GPT2,) + hf_llama.ARCHITECTURES:
+    raise ConfigError(f"{path}: architecture {arch!r} is not supported (jaxpar reads {GPT2}, "
+                      f"{', '.join(hf_llama.ARCHITECTURES)})")
   return arch, hf
 
 
@@ -52,34 +54,19 @@ def model_overrides(folder: str) -> dict[str, Any]:
 
   def refuse(key, value, want):
     raise ConfigError(f"{path}: {key}={value!r} is not supported (jaxpar needs {want})")
-  if arch == GPT2:
-    if hf.get("activation_function", "gelu_new") not in _GPT2_ACTS:
-      refuse("activation_function", hf.get("activation_function"), " or ".join(_GPT2_ACTS))
-    if hf.get("layer_norm_epsilon", 1e-5) != 1e-5:
-      refuse("layer_norm_epsilon", hf.get("layer_norm_epsilon"), 1e-5)
-    for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
-      if hf.get(key):
-        refuse(key, hf[key], False)
-    D = hf["n_embd"]
-    return {"kind": "gpt", "n_layers": hf["n_layer"], "d_model": D, "n_heads": hf["n_head"],
-            "n_kv_heads": 0, "d_ff": hf.get("n_inner") or 4 * D, "vocab_size": hf["vocab_size"],
-            "max_positions": hf["n_positions"], "tie_embeddings": hf.get("tie_word_embeddings", True)}
-  D, H = hf["hidden_size"], hf["num_attention_heads"]
-  rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-  if rope.get("rope_type", rope.get("type", "default")) != "default":
-    refuse("rope type", rope.get("rope_type", rope.get("type")), "default")
-  if hf.get("hidden_act", "silu") != "silu":
-    refuse("hidden_act", hf.get("hidden_act"), "silu")
-  for key in ("attention_bias", "mlp_bias"):
+  if arch != GPT2:
+    return hf_llama.model_overrides(arch, hf, refuse)
+  if hf.get("activation_function", "gelu_new") not in _GPT2_ACTS:
+    refuse("activation_function", hf.get("activation_function"), " or ".join(_GPT2_ACTS))
+  if hf.get("layer_norm_epsilon", 1e-5) != 1e-5:
+    refuse("layer_norm_epsilon", hf.get("layer_norm_epsilon"), 1e-5)
+  for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
     if hf.get(key):
       refuse(key, hf[key], False)
-  if hf.get("head_dim", D // H) != D // H:
-    refuse("head_dim", hf.get("head_dim"), f"hidden_size / num_attention_heads = {D // H}")
-  return {"kind": "llama", "n_layers": hf["num_hidden_layers"], "d_model": D, "n_heads": H,
-          "n_kv_heads": hf.get("num_key_value_heads") or H, "d_ff": hf["intermediate_size"],
-          "vocab_size": hf["vocab_size"], "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-          "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-          "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
+  D = hf["n_embd"]
+  return {"kind": "gpt", "n_layers": hf["n_layer"], "d_model": D, "n_heads": hf["n_head"],
+          "n_kv_heads": 0, "d_ff": hf.get("n_inner") or 4 * D, "vocab_size": hf["vocab_size"],
+          "max_positions": hf["n_positions"], "tie_embeddings": hf.get("tie_word_embeddings", True)}
 
 
 def hf_config(mc, cfg) -> dict:
@@ -94,35 +81,58 @@ def hf_config(mc, cfg) -> dict:
             "n_positions": mc.max_positions or mc.seq_len, "activation_function": "gelu_new",
             "layer_norm_epsilon": 1e-5, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
             **common}
-  return {"architectures": [LLAMA], "model_type": "llama", "num_hidden_layers": mc.n_layers,
-          "hidden_size": mc.d_model, "num_attention_heads": mc.n_heads,
-          "num_key_value_heads": mc.n_kv_heads or mc.n_heads, "intermediate_size": mc.d_ff,
-          "head_dim": mc.d_model // mc.n_heads, "max_position_embeddings": mc.seq_len,
-          "rms_norm_eps": mc.norm_eps, "hidden_act": "silu", "attention_bias": False,
-          "mlp_bias": False, "rope_theta": mc.rope_theta,
-          "rope_parameters": {"rope_type": "default", "rope_theta": mc.rope_theta}, **common}
+  return {**hf_llama.hf_config(mc, hf_llama.architecture_of(mc)), **common}
 
 
 def _hf_tensors(mc) -> dict[str, tuple[list[str], Callable]]:
   """HF tensor name -> (the jaxpar parameters it is made of, how): the inverse of `names`."""
   out: dict[str, tuple[list[str], Callable]] = {}
-  per_layer = lambda i, f: (lambda *xs: f(*(x[i] for x in xs)))
-  for path, (hf_name, transform) in names(mc).items():
+  at = lambda idx, f: (lambda *xs: f(*(x[idx] for x in xs)))  # one layer's (and expert's) slice
+  same = lambda x: x
+  arch = GPT2 if mc.kind == "gpt" else hf_llama.architecture_of(mc)
+  for path, (hf_name, transform) in names(mc, MIXTRAL_MOE if arch == hf_llama.MIXTRAL else QWEN_MOE).items():
     if mc.kind == "gpt" and "c_attn" in hf_name:
       continue  # joined below
-    inverse = np.transpose if transform is np.transpose else (lambda x: x)
-    if "{i}" in hf_name:
+    inverse = np.transpose if transform is np.transpose else same
+    if path == "layers/shared_gate":  # (D,) per layer <- Linear(D, 1)'s (1, D)
+      inverse = lambda x: x[None]
+    if "{e}" in hf_name:
       for i in range(mc.n_layers):
-        out[hf_name.format(i=i)] = ([path], per_layer(i, inverse))
+        for e in range(mc.n_experts):
+          out[hf_name.format(i=i, e=e)] = ([path], at((i, e), inverse))
+    elif "{i}" in hf_name:
+      for i in range(mc.n_layers):
+        out[hf_name.format(i=i)] = ([path], at(i, inverse))
     else:
       out[hf_name] = ([path], inverse)
   if mc.kind == "gpt":
     for i in range(mc.n_layers):
       h = f"transformer.h.{i}.attn.c_attn."
       out[h + "weight"] = (["layers/wq", "layers/wk", "layers/wv"],
-                           per_layer(i, lambda q, k, v: np.concatenate([q, k, v], -1)))
+                           at(i, lambda q, k, v: np.concatenate([q, k, v], -1)))
       out[h + "bias"] = (["layers/bq", "layers/bv"],
-                         per_layer(i, lambda q, v: np.concatenate([q, np.zeros_like(q), v], -1)))
+                         at(i, lambda q, v: np.concatenate([q, np.zeros_like(q), v], -1)))
+  if arch == hf_llama.QWEN2_MOE:
+    out.update(_qwen2_moe_fill(mc))
+  return out
+
+
+def _qwen2_moe_fill(mc) -> dict[str, tuple[list[str], Callable]]:
+  """What Qwen2-MoE has and jaxpar's model may not: q/k/v biases (zeros), the shared expert's
+  gate (a zero weight: sigmoid(0) = 1/2, so the shared down projection is written doubled; both
+  factors powers of two, the product exact)."""
+  out: dict[str, tuple[list[str], Callable]] = {}
+  zeros_of = lambda x: np.zeros(x.shape[-1], x.dtype)  # a bias as wide as a kernel's outputs
+  for i in range(mc.n_layers):
+    h = f"model.layers.{i}."
+    if not mc.qkv_bias:
+      for x in "qkv":
+        out[h + f"self_attn.{x}_proj.bias"] = ([f"layers/w{x}"], lambda w, i=i: zeros_of(w[i]))
+    if not mc.shared_expert_gate:
+      out[h + "mlp.shared_expert_gate.weight"] = (
+          ["layers/mlp_norm"], lambda n, i=i: np.zeros((1,) + n.shape[1:], n.dtype))
+      out[h + "mlp.shared_expert.down_proj.weight"] = (
+          ["layers/s_down"], lambda w, i=i: np.transpose(w[i] * np.asarray(2, w.dtype)))
   return out
 
 
@@ -150,6 +160,9 @@ def _export(directory: str, step: int, out_dir: str, cfg) -> dict:
   mc = cfg.model
   if mc.kind not in ("gpt", "llama"):
     raise ConfigError(f"model.kind={mc.kind!r} has no Hugging Face layout; gpt and llama do")
+  if mc.kind == "gpt" and mc.n_experts:
+    raise ConfigError("a gpt-kind mixture of experts has no Hugging Face layout; llama-kind "
+                      "mixtures export as Mixtral, Qwen2-MoE or Qwen3-MoE")
   stored = checkpoint.stored_params(directory, step)
   tensors = _hf_tensors(mc)
   cache: dict[str, np.ndarray] = {}

@@ -1,7 +1,11 @@
 """Hugging Face decoder weights in jaxpar's parameter layout: the name tables between jaxpar's
-decoders and GPT2LMHeadModel / LlamaForCausalLM, and reading a folder's safetensors straight onto
-a sharded state (`load_params`), one jaxpar tensor at a time. The folder's config.json, tokenizer
-and the way back out are interop/hf.py's.
+decoders and GPT2LMHeadModel / the Llama family (Llama, Mistral, Qwen2, Qwen3 and the mixtures of
+experts Mixtral, Qwen2-MoE, Qwen3-MoE), and reading a folder's safetensors straight onto a sharded
+state (`load_params`), one jaxpar tensor at a time. The folder's config.json, tokenizer and the
+way back out are interop/hf.py's.
+
+A name holds {i} for the layer and, for an expert's weight, {e} for the expert: jaxpar stacks
+layers on axis 0 and experts on axis 1, (L, E, ...).
 """
 from __future__ import annotations
 
@@ -53,7 +57,31 @@ def _gpt2_names(mc) -> dict[str, tuple[str, Callable]]:
   return names
 
 
-def _llama_names(mc) -> dict[str, tuple[str, Callable]]:
+# Where each family keeps its mixture: (block, router, expert names for gate, up, down).
+MIXTRAL_MOE = ("block_sparse_moe.", "gate", ("w1", "w3", "w2"))  # w1 gate, w3 up, w2 down
+QWEN_MOE = ("mlp.", "gate", ("gate_proj", "up_proj", "down_proj"))
+
+
+def _moe_names(mc, h: str, layout) -> dict[str, tuple[str, Callable]]:
+  """The mixture's tensors of one layer prefix `h`: router (E, D) -> (D, E), experts (F, D) or
+  (D, F) -> (D, F) or (F, D) (`layout`: MIXTRAL_MOE or QWEN_MOE)."""
+  same, t = (lambda x: x), np.transpose
+  block, router, (gate, up, down) = layout
+  e = h + block + "experts.{e}."
+  names = {"layers/router": (h + block + router + ".weight", t),
+           "layers/e_gate": (e + gate + ".weight", t), "layers/e_up": (e + up + ".weight", t),
+           "layers/e_down": (e + down + ".weight", t)}
+  if mc.shared_experts:  # Qwen2-MoE's: one dense SwiGLU MLP and its sigmoid gate, Linear(D, 1)
+    s = h + "mlp.shared_expert."
+    names.update({"layers/s_gate": (s + "gate_proj.weight", t),
+                  "layers/s_up": (s + "up_proj.weight", t),
+                  "layers/s_down": (s + "down_proj.weight", t)})
+    if mc.shared_expert_gate:
+      names["layers/shared_gate"] = (h + "mlp.shared_expert_gate.weight", lambda x: x[0])
+  return names
+
+
+def _llama_names(mc, moe_layout=QWEN_MOE) -> dict[str, tuple[str, Callable]]:
   same, t = (lambda x: x), np.transpose  # torch Linear weights are (out, in)
   h = "model.layers.{i}."
   names = {
@@ -62,17 +90,26 @@ def _llama_names(mc) -> dict[str, tuple[str, Callable]]:
       "layers/wq": (h + "self_attn.q_proj.weight", t), "layers/wk": (h + "self_attn.k_proj.weight", t),
       "layers/wv": (h + "self_attn.v_proj.weight", t), "layers/wo": (h + "self_attn.o_proj.weight", t),
       "layers/mlp_norm": (h + "post_attention_layernorm.weight", same),
-      "layers/w_gate": (h + "mlp.gate_proj.weight", t), "layers/w_up": (h + "mlp.up_proj.weight", t),
-      "layers/w_down": (h + "mlp.down_proj.weight", t),
   }
+  if mc.n_experts:
+    names.update(_moe_names(mc, h, moe_layout))
+  else:
+    names.update({"layers/w_gate": (h + "mlp.gate_proj.weight", t),
+                  "layers/w_up": (h + "mlp.up_proj.weight", t),
+                  "layers/w_down": (h + "mlp.down_proj.weight", t)})
+  if mc.qkv_bias:
+    names.update({f"layers/b{x}": (h + f"self_attn.{x}_proj.bias", same) for x in "qkv"})
+  if mc.qk_norm:
+    names.update({f"layers/{x}_norm": (h + f"self_attn.{x}_norm.weight", same) for x in "qk"})
   if not mc.tie_embeddings:
     names["head"] = ("lm_head.weight", t)
   return names
 
 
-def names(mc) -> dict[str, tuple[str, Callable]]:
-  """jaxpar parameter path -> (HF tensor name, '{i}' for the layer; HF -> jaxpar transform)."""
-  return _gpt2_names(mc) if mc.kind == "gpt" else _llama_names(mc)
+def names(mc, moe_layout=QWEN_MOE) -> dict[str, tuple[str, Callable]]:
+  """jaxpar parameter path -> (HF tensor name, '{i}' for the layer and '{e}' for the expert;
+  HF -> jaxpar transform). `moe_layout`: where the folder's family keeps its experts."""
+  return _gpt2_names(mc) if mc.kind == "gpt" else _llama_names(mc, moe_layout)
 
 
 class Folder:
@@ -101,28 +138,41 @@ class Folder:
       return f.get_tensor(key)
 
 
-def read_param(folder: Folder, path: str, mc, want: tuple[int, ...]) -> np.ndarray:
-  """jaxpar parameter `path` (shape `want`) from the folder: layers stacked, transforms applied."""
-  hf_name, transform = names(mc)[path]
-  if "{i}" in hf_name:
-    x = np.stack([transform(folder.read(hf_name.format(i=i))) for i in range(mc.n_layers)])
-  else:
-    x = transform(folder.read(hf_name))
+def read_param(folder: Folder, path: str, mc, want: tuple[int, ...],
+               moe_layout=QWEN_MOE) -> np.ndarray:
+  """jaxpar parameter `path` (shape `want`) from the folder: layers (and experts) stacked,
+  transforms applied."""
+  hf_name, transform = names(mc, moe_layout)[path]
+
+  def layer(i):
+    if "{e}" in hf_name:
+      return np.stack([transform(folder.read(hf_name.format(i=i, e=e)))
+                       for e in range(mc.n_experts)])
+    return transform(folder.read(hf_name.format(i=i)))
+  x = np.stack([layer(i) for i in range(mc.n_layers)]) if "{i}" in hf_name else layer(0)
   if tuple(x.shape) != tuple(want):
-    where = hf_name.format(i=0) if "{i}" in hf_name else hf_name
+    where = hf_name.format(i=0, e=0)
     raise ConfigError(f"{folder.folder}: tensor {where} gives {path} the shape {tuple(x.shape)}, "
                       f"but config.json makes {tuple(want)}")
   return x
 
 
+def moe_layout(folder: str) -> tuple:
+  """Where the folder's family keeps its experts: Mixtral's block_sparse_moe or Qwen's mlp."""
+  arch = (_read_json(os.path.join(folder, "config.json")).get("architectures") or [None])[0]
+  return MIXTRAL_MOE if arch == "MixtralForCausalLM" else QWEN_MOE
+
+
 def load_params(folder: str, mc, abstract: Any, shardings: Any) -> Any:
   """The folder's parameters as jaxpar's tree, each put onto its sharding as soon as it is read."""
-  src = Folder(folder)
-  missing = sorted(set(names(mc)) - {path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(abstract)})
-  if missing:
-    raise ConfigError(f"jaxpar's model has no parameter {missing[0]} for {folder}")
+  src, layout = Folder(folder), moe_layout(folder)
+  table = names(mc, layout)
+  have = {path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(abstract)}
+  for gap in (sorted(set(table) - have), sorted(have - set(table))):  # both ways: nothing left
+    if gap:  # at its initial value
+      raise ConfigError(f"jaxpar's model and {folder} do not agree on parameter {gap[0]}")
 
   def one(path, a, sharding):
-    x = read_param(src, path_str(path), mc, a.shape).astype(a.dtype)
+    x = read_param(src, path_str(path), mc, a.shape, layout).astype(a.dtype)
     return jax.make_array_from_callback(a.shape, sharding, lambda index: x[index])
   return jax.tree_util.tree_map_with_path(one, abstract, shardings)

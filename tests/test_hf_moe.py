@@ -1,0 +1,191 @@
+"""Hugging Face interop for the Llama family beyond Llama: the mixtures Mixtral, Qwen2-MoE (q/k/v
+biases, a shared expert with its sigmoid gate, un-renormalised top-k) and Qwen3-MoE (q/k norms),
+and the dense Mistral (a sliding window), Qwen2 and Qwen3. Random-weight folders made by
+`transformers` (fp32, 2 layers, hidden 32, 4-8 experts, top-2) load into jaxpar with the same
+logits (1e-5 relative) on one device and with the experts split over data and tensor parallelism
+(4x2x1), export back to folders `from_pretrained` loads with no missing or unexpected keys and
+the same logits, and decode greedily with the KV cache to transformers' greedy tokens."""
+import importlib.util
+
+import jax
+import numpy as np
+import pytest
+import torch  # the test extra installs both
+import transformers
+from test_hf import B, ROOT, T, V, _checkpoint_of, _randomise, hf_logits, jaxpar_run, rel, tokens
+
+from jaxpar import config
+from jaxpar.config import ConfigError
+from jaxpar.interop import generate, hf
+from jaxpar.models import decoder
+from jaxpar.models import registry as jmodel
+from jaxpar.parallel import mesh as jmesh
+from jaxpar.train import checkpoint
+from jaxpar.train.step import Trainer
+
+RTOL = 1e-5
+COMMON = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=48, vocab_size=V, max_position_embeddings=T, rms_norm_eps=1e-5,
+              bos_token_id=0, eos_token_id=0)
+QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+MODELS = {  # name: (config class, model class, its keys, torch seed)
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=None), 3),
+    "qwen2-moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                  dict(QWEN_MOE, shared_expert_intermediate_size=32, norm_topk_prob=False), 4),
+    "qwen3-moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(QWEN_MOE, head_dim=8, norm_topk_prob=True), 5),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
+                dict(head_dim=8, sliding_window=T), 6),  # a window as long as the sequence
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}, 7),
+    "qwen3-tied": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+                   dict(head_dim=8, tie_word_embeddings=True), 8),
+}
+
+
+def make_folder(path, name, **changes):
+  cfg_cls, model_cls, keys, seed = MODELS[name]
+  cfg = cfg_cls(**{**COMMON, **keys, **changes})
+  _randomise(model_cls(cfg), seed).save_pretrained(path)
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+  root = tmp_path_factory.mktemp("hf_moe")
+  return {name: make_folder(root / name, name) for name in MODELS}
+
+
+def test_the_router_is_exercised(folders):
+  """Every expert of each layer is some token's choice, and no top-k choice is a near tie, so
+  a router weight mapped wrong moves tokens between experts and the logits tests see it."""
+  toks = tokens()[:, :-1]
+  for name in ("mixtral", "qwen2-moe", "qwen3-moe"):
+    m = transformers.AutoModelForCausalLM.from_pretrained(folders[name], dtype=torch.float32)
+    with torch.no_grad():
+      out = m.eval()(torch.from_numpy(toks.astype(np.int64)), output_router_logits=True)
+    for logits in out.router_logits:  # (B*T, E) per layer
+      p = torch.softmax(logits, -1).sort(-1, descending=True).values
+      chosen = torch.topk(logits, 2, -1).indices
+      assert len(set(chosen.flatten().tolist())) == logits.shape[-1], name
+      assert float((p[:, 1] - p[:, 2]).min()) > 1e-6, name
+
+
+CASES = [(m, lay) for m in ("mixtral", "qwen2-moe", "qwen3-moe") for lay in ("1x1x1", "4x2x1")] + \
+        [("mistral", "2x2x1"), ("qwen2", "2x2x1"), ("qwen3-tied", "2x2x1")]
+
+
+@pytest.mark.parametrize("name,layout", CASES, ids=[f"{m}-{lay}" for m, lay in CASES])
+def test_logits_match_transformers(folders, name, layout):
+  """The GSPMD forward's logits and the step's loss (4x2x1: manual over data, experts reached by
+  all-to-all) against transformers'; the router's losses weigh 0 here, as transformers' logits
+  carry none."""
+  shape = tuple(int(d) for d in layout.split("x"))
+  toks = tokens()
+  want = hf_logits(folders[name], toks[:, :-1])
+  logits, loss = jaxpar_run(folders[name], shape, ["train.moe_aux_weight=0", "train.moe_z_weight=0"])
+  assert rel(logits, want) < RTOL
+  z = want - want.max(-1, keepdims=True)
+  ce = np.mean(np.log(np.exp(z).sum(-1)) - np.take_along_axis(z, toks[:, 1:, None], -1)[..., 0])
+  assert loss == pytest.approx(float(ce), rel=RTOL)
+
+
+def test_config_keys(folders):
+  """What each folder's config.json becomes in jaxpar."""
+  keys = {name: hf.model_overrides(folders[name]) for name in MODELS}
+  assert keys["mixtral"]["n_experts"] == 8 and keys["mixtral"]["router_softmax"] == "after_topk"
+  assert keys["mixtral"]["rope_theta"] == 1e6 and "max_positions" not in keys["mixtral"]
+  assert {"qkv_bias": True, "shared_experts": 2, "moe_d_ff": 16, "shared_expert_gate": True,
+          "router_softmax": "before_topk"}.items() <= keys["qwen2-moe"].items()
+  assert keys["qwen3-moe"]["qk_norm"] and keys["qwen3-moe"]["router_softmax"] == "after_topk"
+  assert keys["mistral"]["max_positions"] == T and keys["qwen3-tied"]["tie_embeddings"]
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "qwen3-moe", "mistral", "qwen2"])
+def test_round_trip_loads_in_transformers_with_the_same_logits(folders, tmp_path, name):
+  _checkpoint_of(folders[name], tmp_path / "wd")
+  out = tmp_path / "exported"
+  hf.export(str(tmp_path / "wd"), str(out))
+  m, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True,
+                                                             dtype=torch.float32)
+  assert type(m).__name__ == MODELS[name][1].__name__
+  assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+  toks = tokens()[:, :-1]
+  with torch.no_grad():
+    got = m.eval()(torch.from_numpy(toks.astype(np.int64))).logits.numpy()
+  np.testing.assert_array_equal(got, hf_logits(folders[name], toks))
+
+
+def test_gateless_shared_experts_export_as_qwen2_moe(tmp_path):
+  """jaxpar's own mixture with a shared expert and no gate, q/k/v biases or norms becomes a
+  Qwen2-MoE folder (zero gate, doubled shared down projection, zero biases) with jaxpar's logits."""
+  sets = ["model.kind=llama", "model.n_layers=2", "model.d_model=32", "model.n_heads=4",
+          "model.n_kv_heads=2", "model.d_ff=32", f"model.vocab_size={V}", f"model.seq_len={T}",
+          "model.n_experts=4", "model.shared_experts=1", "model.router_softmax=before_topk",
+          f"train.batch_size={B}", "precision.compute_dtype=float32"]
+  cfg = config.load(None, sets)
+  t = Trainer(cfg, jmesh.make((1, 1, 1), jax.devices()[:1]), jmodel.decoder(cfg))
+  with jax.set_mesh(t.mesh):
+    state = t.init_with(jax.jit(t.model.init)(jax.random.key(1)))
+    toks = tokens()[:, :-1]
+    parts = jmodel.decoder_parts(cfg.model)
+    want = np.asarray(jax.jit(lambda p, x: decoder.forward(parts, p, x))(state["params"], toks))
+  with checkpoint.Checkpointer(str(tmp_path / "wd" / "checkpoints"), keep=1, every=0) as ckpt:
+    ckpt.maybe_save(0, state, {"data": {}, "config": config.to_dict(cfg)}, force=True)
+  hf.export(str(tmp_path / "wd"), str(tmp_path / "out"))
+  m, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"),
+                                                             output_loading_info=True)
+  assert type(m).__name__ == "Qwen2MoeForCausalLM" and not info["missing_keys"], info
+  with torch.no_grad():
+    got = m.eval()(torch.from_numpy(toks.astype(np.int64))).logits.numpy()
+  assert rel(got, want) < RTOL
+
+
+@pytest.mark.parametrize("mesh", [(1, 1, 1), (2, 2, 1)])
+def test_greedy_decoding_with_the_cache_matches_transformers(folders, mesh):
+  folder = folders["qwen2-moe"]
+  cfg = config.load(None, [f"model.init_from={folder}", f"model.seq_len={T}",
+                           f"train.batch_size={B}", "precision.compute_dtype=float32"],
+                    base=hf.model_overrides)
+  t = Trainer(cfg, jmesh.make((1, 1, 1), jax.devices()[:1]), jmodel.decoder(cfg))
+  params = hf.load_params(folder, cfg.model, t.model.abstract, t.state_shardings["params"])
+  sampler = generate.Sampler.from_params(cfg, mesh, params)
+  prompts = [tokens(2, seed=3)[0, :5], tokens(2, seed=3)[1, :3]]
+  got = sampler.sample_tokens(prompts, max_new_tokens=8, temperature=0, stop_token=-1)
+  m = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+  for p, row in zip(prompts, got):
+    ids = torch.from_numpy(p[None].astype(np.int64))
+    want = m.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)[0, len(p):].numpy()
+    np.testing.assert_array_equal(row, want)
+
+
+@pytest.mark.parametrize("name,changes,says", [
+    ("qwen2-moe", dict(decoder_sparse_step=2), "decoder_sparse_step=2 is not supported"),
+    ("qwen3-moe", dict(mlp_only_layers=[1]), "mlp_only_layers=[1] is not supported"),
+    ("qwen2-moe", dict(shared_expert_intermediate_size=24),
+     "shared_expert_intermediate_size=24 is not supported (jaxpar needs a multiple of"),
+    ("qwen3-moe", dict(head_dim=16), "head_dim=16 is not supported"),
+    ("qwen3-tied", dict(attention_bias=True), "attention_bias=True is not supported"),
+])
+def test_unsupported_configs_are_one_sentence(tmp_path, name, changes, says):
+  folder = make_folder(tmp_path / name, name, **changes)
+  with pytest.raises(ConfigError) as e:
+    config.load(None, [f"model.init_from={folder}"], base=hf.model_overrides)
+  assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_window_shorter_than_the_sequence_is_one_sentence_and_exit_2(folders, tmp_path, capsys):
+  """jaxpar's attention has no window: a Mistral folder's window of T trains sequences of up to
+  T, and train.py refuses 2T in one sentence, writing nothing."""
+  spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
+  train = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(train)
+  workdir = tmp_path / "wd"
+  code = train.main(["--mesh", "1x1x1", "--workdir", str(workdir), "--steps", "1", "--no-progress",
+                     "--set", f"model.init_from={folders['mistral']}", f"model.seq_len={2 * T}",
+                     "data.source=synthetic"])
+  errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+  assert code == 2 and len(errors) == 1, errors
+  assert f"model.max_positions={T} is shorter than model.seq_len={2 * T}" in errors[0]
+  assert not (workdir / "checkpoints").exists()
