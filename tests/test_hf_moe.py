@@ -5,6 +5,7 @@ and the dense Mistral (a sliding window), Qwen2 and Qwen3. Random-weight folders
 logits (1e-5 relative) on one device and with the experts split over data and tensor parallelism
 (4x2x1), export back to folders `from_pretrained` loads with no missing or unexpected keys and
 the same logits, and decode greedily with the KV cache to transformers' greedy tokens."""
+import dataclasses
 import importlib.util
 
 import jax
@@ -16,7 +17,7 @@ from test_hf import B, ROOT, T, V, _checkpoint_of, _randomise, hf_logits, jaxpar
 
 from jaxpar import config
 from jaxpar.config import ConfigError
-from jaxpar.interop import generate, hf
+from jaxpar.interop import generate, hf, hf_llama
 from jaxpar.models import decoder
 from jaxpar.models import registry as jmodel
 from jaxpar.parallel import mesh as jmesh
@@ -83,7 +84,8 @@ def test_logits_match_transformers(folders, name, layout):
   shape = tuple(int(d) for d in layout.split("x"))
   toks = tokens()
   want = hf_logits(folders[name], toks[:, :-1])
-  logits, loss = jaxpar_run(folders[name], shape, ["train.moe_aux_weight=0", "train.moe_z_weight=0"])
+  logits, loss = jaxpar_run(folders[name], shape,
+                            ["train.moe_aux_weight=0", "train.moe_z_weight=0"])
   assert rel(logits, want) < RTOL
   z = want - want.max(-1, keepdims=True)
   ce = np.mean(np.log(np.exp(z).sum(-1)) - np.take_along_axis(z, toks[:, 1:, None], -1)[..., 0])
@@ -189,3 +191,23 @@ def test_a_window_shorter_than_the_sequence_is_one_sentence_and_exit_2(folders, 
   assert code == 2 and len(errors) == 1, errors
   assert f"model.max_positions={T} is shorter than model.seq_len={2 * T}" in errors[0]
   assert not (workdir / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("keys,arch", [
+    ({}, "LlamaForCausalLM"), ({"max_positions": 64}, "MistralForCausalLM"),
+    ({"qkv_bias": True}, "Qwen2ForCausalLM"), ({"qk_norm": True}, "Qwen3ForCausalLM"),
+    ({"n_experts": 4}, "MixtralForCausalLM"),
+    ({"n_experts": 4, "shared_experts": 1}, "Qwen2MoeForCausalLM"),
+    ({"n_experts": 4, "qk_norm": True, "router_softmax": "before_topk"}, "Qwen3MoeForCausalLM"),
+    ({"n_experts": 4, "router_softmax": "before_topk"}, "router_softmax=before_topk and neither"),
+    ({"n_experts": 4, "qkv_bias": True}, "without shared experts and with q/k/v biases"),
+    ({"qkv_bias": True, "qk_norm": True}, "both q/k/v biases and q/k norms"),
+])
+def test_the_export_architecture_follows_the_options(keys, arch):
+  mc = dataclasses.replace(config.ModelConfig(), kind="llama", **keys)
+  if arch.endswith("ForCausalLM"):
+    assert hf_llama.architecture_of(mc) == arch
+  else:
+    with pytest.raises(ConfigError, match=r"^this llama-kind model has .* no Hugging Face") as e:
+      hf_llama.architecture_of(mc)
+    assert arch in str(e.value)

@@ -90,7 +90,8 @@ def _hf_tensors(mc) -> dict[str, tuple[list[str], Callable]]:
   at = lambda idx, f: (lambda *xs: f(*(x[idx] for x in xs)))  # one layer's (and expert's) slice
   same = lambda x: x
   arch = GPT2 if mc.kind == "gpt" else hf_llama.architecture_of(mc)
-  for path, (hf_name, transform) in names(mc, MIXTRAL_MOE if arch == hf_llama.MIXTRAL else QWEN_MOE).items():
+  layout = MIXTRAL_MOE if arch == hf_llama.MIXTRAL else QWEN_MOE
+  for path, (hf_name, transform) in names(mc, layout).items():
     if mc.kind == "gpt" and "c_attn" in hf_name:
       continue  # joined below
     inverse = np.transpose if transform is np.transpose else same

@@ -97,8 +97,8 @@ def architecture_of(mc) -> str:
   """The Hugging Face architecture that holds jaxpar's llama-kind model `mc` exactly."""
   def refuse(why):
     raise ConfigError(f"this llama-kind model has {why}, which no Hugging Face architecture "
-                      f"jaxpar writes (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE) "
-                      f"holds")
+                      f"jaxpar writes (Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, "
+                      f"Qwen3-MoE) holds")
   if mc.qkv_bias and mc.qk_norm:
     refuse("both q/k/v biases and q/k norms")
   if not mc.n_experts:

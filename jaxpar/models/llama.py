@@ -1,6 +1,7 @@
 """Llama-style decoder: RMSNorm, rotary position embeddings, SwiGLU MLP, grouped-query attention,
-untied or tied LM head; optionally q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3). The same parameter conventions as Hugging Face's LlamaForCausalLM (rotary
-on the two halves of each head, `rotate_half`), so its checkpoints load without permutation.
+untied or tied LM head; optionally q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3). The
+same parameter conventions as Hugging Face's LlamaForCausalLM (rotary on the two halves of each
+head, `rotate_half`), so its checkpoints load without permutation.
 
 Only the model's own pieces live here (parameters, `block`, `embed`, `head`); the layer scan,
 ZeRO-3 gathers, loss and pipeline form are shared with the GPT in decoder.py.
