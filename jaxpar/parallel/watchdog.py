@@ -122,11 +122,16 @@ class Watchdog:
       # initialize() started it; processes joined by the user's own jax.distributed.initialize
       # start it here
       start_heartbeat(self.pi)
-    threading.Thread(target=self._watch, name="jaxpar-watchdog", daemon=True).start()
+    self._thread = threading.Thread(target=self._watch, name="jaxpar-watchdog", daemon=True)
+    self._thread.start()
     return self
 
   def __exit__(self, *exc):
     self._stop.set()
+    # Out of any read of the coordination service before the process goes on to its end: a
+    # daemon thread still inside that C++ call when Python finalizes aborts the process
+    # ("FATAL: exception not rethrown").
+    self._thread.join(timeout=5.0)
 
   def _counters(self) -> dict[int, str]:
     return {int(k.rsplit("/", 1)[1]): v for k, v in self.client.key_value_dir_get(_ALIVE)}
