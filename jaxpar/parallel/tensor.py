@@ -19,7 +19,7 @@ from jaxpar.parallel import mesh as jmesh
 from jaxpar.parallel import zero
 from jaxpar.parallel.rules import constrain, is_split
 
-MODEL, DATA, CONTEXT = jmesh.MODEL, jmesh.DATA, jmesh.CONTEXT
+MODEL, DATA, PIPE, CONTEXT = jmesh.MODEL, jmesh.DATA, jmesh.PIPE, jmesh.CONTEXT
 
 # Megatron's pattern for a block's two matmul pairs: column-parallel in (the output split over
 # `model`), row-parallel out (partial sums reduced over `model`). With sequence parallelism the
@@ -32,10 +32,12 @@ MODEL, DATA, CONTEXT = jmesh.MODEL, jmesh.DATA, jmesh.CONTEXT
 
 def sequence_parallel(manual=frozenset()) -> bool:
   """Whether activations between the matmuls are split along seq over `model` now, by the
-  explicit collectives below. Inside a shard_map manual over `context` the split is left to the
-  activation constraints (GSPMD): XLA aborts compiling a shard_map over `model` nested in one over
-  `data` and `context` ("Manual axes must be sorted by mesh axis index", JAX 0.11.2 and 0.12)."""
-  return MODEL not in manual and CONTEXT not in _manual_now(manual) and is_split("seq")
+  explicit collectives below. Inside a shard_map manual over `pipeline` or `context` (mesh axes
+  after `model`) the split is left to the activation constraints (GSPMD): XLA aborts compiling a
+  shard_map over `model` nested in one over such an axis ("Manual axes must be sorted by mesh axis
+  index", JAX 0.11.2 and 0.12)."""
+  now = _manual_now(manual)
+  return MODEL not in now and not now & {PIPE, CONTEXT} and is_split("seq")
 
 
 def column_parallel(x: jax.Array, weights: list, manual=frozenset()) -> list:
