@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch  # the test extra installs both
 import transformers
-from test_hf import B, ROOT, T, V, _checkpoint_of, _randomise, hf_logits, jaxpar_run, rel, tokens
+from test_hf import (B, ROOT, T, V, _randomise, exported_logits, hf_logits, jaxpar_run, rel,
+                     tokens)
 
 from jaxpar import config
 from jaxpar.config import ConfigError
@@ -105,17 +106,9 @@ def test_config_keys(folders):
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "qwen3-moe", "mistral", "qwen2"])
 def test_round_trip_loads_in_transformers_with_the_same_logits(folders, tmp_path, name):
-  _checkpoint_of(folders[name], tmp_path / "wd")
-  out = tmp_path / "exported"
-  hf.export(str(tmp_path / "wd"), str(out))
-  m, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True,
-                                                             dtype=torch.float32)
+  m, got = exported_logits(folders[name], tmp_path)
   assert type(m).__name__ == MODELS[name][1].__name__
-  assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-  toks = tokens()[:, :-1]
-  with torch.no_grad():
-    got = m.eval()(torch.from_numpy(toks.astype(np.int64))).logits.numpy()
-  np.testing.assert_array_equal(got, hf_logits(folders[name], toks))
+  np.testing.assert_array_equal(got, hf_logits(folders[name], tokens()[:, :-1]))
 
 
 def test_gateless_shared_experts_export_as_qwen2_moe(tmp_path):
