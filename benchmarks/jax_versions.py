@@ -75,7 +75,7 @@ def one_run(python: str, mesh: str, overrides: list[str], steps: int) -> dict:
           "wall_s": round(time.perf_counter() - t0, 2)}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--python", action="append", required=True,
                  help="an interpreter with jaxpar installed; give it twice (A, then B)")
@@ -83,6 +83,11 @@ def main(argv: list[str] | None = None) -> dict:
   p.add_argument("--steps", type=int, default=40, help="steps per run (default 40)")
   p.add_argument("--only", choices=sorted(CASES), help="one case")
   p.add_argument("--out", default=DEFAULT_OUT)
+  return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+  p = parser()
   args = p.parse_args(argv)
   if len(args.python) != 2:
     p.error("--python takes two interpreters: A, then B")
