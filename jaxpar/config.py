@@ -82,7 +82,7 @@ class DataConfig:
   max_bytes: int = 8_000_000  # local_text: cap on bytes read from the folder (0 = no cap)
   eval_split: str = "validation"  # split evaluated every train.eval_every steps
   augment: bool = False  # images: random flips and 4-pixel crops of training batches
-  tokenizer: str = ""  # tfds text: a `tokenizers` JSON file (tokenizer.json); "" = byte-level
+  tokenizer: str = ""  # text: a `tokenizers` file (tokenizer.json) or a folder with one; "" = bytes
   # tfds: background threads reading and transforming batches; local_text and synthetic: any
   # N > 0 is one thread reading two batches ahead (0 = everything in the loop)
   workers: int = 2

@@ -248,7 +248,7 @@ def test_loader_settings_are_used_or_refused(tmp_path):
   from jaxpar.config import ConfigError
   from jaxpar.data import make_loader
   base = ["data.source=synthetic", "model.seq_len=16", "train.batch_size=4"]
-  with pytest.raises(ConfigError, match="data.tokenizer applies to data.source=tfds"):
+  with pytest.raises(ConfigError, match="data.tokenizer applies to text files"):
     make_loader(config.load(None, base + ["data.tokenizer=/no/such.json"]), str(tmp_path))
 
   def prefetching(workers):
@@ -276,3 +276,41 @@ def test_synthetic_data_serves_any_batch_and_a_file_is_not_a_data_folder(tmp_pat
   with pytest.raises(ConfigError, match=f"local_text folder {a_file} is a file; data.path names "
                                         f"a folder of text files"):
     make_loader(config.load(None, [f"data.path={a_file}"]), str(tmp_path / "wd"))
+
+
+def test_local_text_with_a_tokenizers_file(text_dir, tmp_path):
+  """data.tokenizer on a folder of text files: every document's ids, then its end-of-text id,
+  packed into the windows the batches take (as a Hugging Face model's own tokenizer would)."""
+  from collections import Counter
+
+  from tokenizers import Tokenizer
+  from tokenizers import models as tok_models
+  from tokenizers import pre_tokenizers, trainers
+
+  from jaxpar import config
+  from jaxpar.config import ConfigError
+  from jaxpar.data import make_loader
+  tok = Tokenizer(tok_models.WordLevel(unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.train_from_iterator(DOCS.values(), trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>"]))
+  folder = tmp_path / "hf"
+  folder.mkdir()
+  tok.save(str(folder / "tokenizer.json"))
+  base = ["data.source=local_text", f"data.path={text_dir}", "data.max_bytes=0",
+          f"data.data_dir={tmp_path / 'tfds'}", "model.seq_len=7", "train.batch_size=2",
+          "data.workers=0"]
+  it = make_loader(config.load(None, base + [f"data.tokenizer={folder}"]), str(tmp_path))
+  texts = local_text.read_texts(local_text.prepare(str(tmp_path / "tfds"), str(text_dir), 0))
+  eos = tok.token_to_id("</s>")
+  stream = sum((tok.encode(t.decode(), add_special_tokens=False).ids + [eos] for t in texts), [])
+  rows = [tuple(stream[i:i + 8]) for i in range(0, len(stream) - 7, 8)]
+  assert it.steps_per_epoch == len(stream) // 8 // 2 > 0
+  seen = [tuple(row) for _ in range(it.steps_per_epoch) for row in it.next()["tokens"]]
+  # every window at most once in an epoch (the remainder past the last whole batch dropped)
+  assert len(rows) - len(seen) < 2 and not Counter(seen) - Counter(rows)
+  it.close()
+  with pytest.raises(ConfigError, match="data.tokenizer needs model.vocab_size >= "):
+    make_loader(config.load(None, base + [f"data.tokenizer={folder}", "model.vocab_size=4"]),
+                str(tmp_path))
+  with pytest.raises(ConfigError, match="does not exist"):
+    make_loader(config.load(None, base + ["data.tokenizer=/no/such.json"]), str(tmp_path))

@@ -16,7 +16,8 @@ import numpy as np
 
 from jaxpar.config import ConfigError
 from jaxpar.data.tokens import SEPARATOR, VOCAB_SIZE, tokenize
-from jaxpar.data.windows import TokenWindows, check_position, shuffled
+from jaxpar.data.windows import (TokenWindows, check_position, end_of_text_id, load_tokenizer,
+                                  shuffled)
 
 SYNTHETIC_WINDOWS = 4096
 
@@ -223,8 +224,11 @@ class BatchIterator:
 
 def make_batches(data_cfg, seq_len: int, global_batch: int, seed: int, workdir: str,
                  process_index: int = 0, process_count: int = 1, split: str = "train",
-                 prefetch: int = 2) -> BatchIterator:
-  """Iterator over data_cfg.source: batches [global_batch // process_count, seq_len + 1] int32."""
+                 prefetch: int = 2, tokenizer=None) -> BatchIterator:
+  """Iterator over data_cfg.source: batches [global_batch // process_count, seq_len + 1] int32.
+
+  local_text's documents are bytes, or the ids of `tokenizer` (a `tokenizers.Tokenizer`), each
+  ended by its end-of-text id."""
   if data_cfg.source == "synthetic":
     # at least one global batch (more windows than the default only when the batch needs them)
     windows = synthetic_windows(seq_len, seed + zlib.crc32(split.encode()),
@@ -234,7 +238,9 @@ def make_batches(data_cfg, seq_len: int, global_batch: int, seed: int, workdir: 
     from jaxpar.data import local_text  # imports TFDS, which synthetic data does not need
     data_dir = data_cfg.data_dir or os.path.join(workdir, "data")
     builder = local_text.prepare(data_dir, data_cfg.path, data_cfg.max_bytes)
-    windows = TokenWindows(local_text.data_source(builder, split), "text", seq_len, SEPARATOR)
+    source = local_text.data_source(builder, split)
+    windows = (TokenWindows(source, "text", seq_len, end_of_text_id(tokenizer), tokenizer)
+               if tokenizer is not None else TokenWindows(source, "text", seq_len, SEPARATOR))
     what = f"local_text split {split!r} ({builder.builder_config.description})"
   elif data_cfg.source == "tfds":
     raise ValueError("data.source=tfds is not supported yet by make_batches, which yields token "
@@ -300,16 +306,24 @@ def make_loader(cfg, workdir: str, process_index: int = 0, process_count: int = 
   if cfg.model.kind == "cnn":  # the decoders (gpt, llama) read text
     raise ConfigError(f"model.kind={cfg.model.kind} needs images: set data.source=tfds and "
                       f"data.name to an image dataset such as cifar10")
+  tokenizer = None
   if cfg.data.tokenizer:
-    raise ConfigError(f"data.tokenizer applies to data.source=tfds; data.source="
-                      f"{cfg.data.source} gives byte tokens (unset data.tokenizer)")
-  if cfg.model.vocab_size < VOCAB_SIZE:  # an id past the embedding would make the loss NaN
-    raise ConfigError(f"data.source={cfg.data.source} gives byte tokens, which need "
+    if cfg.data.source != "local_text":
+      raise ConfigError(f"data.tokenizer applies to text files (data.source=local_text) and TFDS "
+                        f"text; data.source={cfg.data.source} gives byte tokens (unset "
+                        f"data.tokenizer)")
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+  vocab = tokenizer.get_vocab_size() if tokenizer is not None else VOCAB_SIZE
+  if cfg.model.vocab_size < vocab:  # an id past the embedding would make the loss NaN
+    raise ConfigError(f"data.tokenizer needs model.vocab_size >= {vocab}, got "
+                      f"{cfg.model.vocab_size}" if tokenizer is not None else
+                      f"data.source={cfg.data.source} gives byte tokens, which need "
                       f"model.vocab_size >= {VOCAB_SIZE} (it is {cfg.model.vocab_size})")
   try:
     it = make_batches(cfg.data, cfg.model.seq_len, cfg.train.batch_size, cfg.train.seed, workdir,
                       process_index, process_count, split=split,
-                      prefetch=2 if cfg.data.workers else 0)  # one thread, two batches ahead
+                      prefetch=2 if cfg.data.workers else 0,  # one thread, two batches ahead
+                      tokenizer=tokenizer)
   except ValueError as e:
     raise ConfigError(str(e).rstrip(".")) from None
   return TokenBatches(it)

@@ -24,7 +24,6 @@ is 150 MB); larger shards are read record by record every epoch.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import threading
 from dataclasses import dataclass
@@ -36,7 +35,8 @@ import tensorflow_datasets as tfds
 
 from jaxpar.config import ConfigError
 from jaxpar.data.tokens import SEPARATOR, VOCAB_SIZE
-from jaxpar.data.windows import TokenWindows, check_position, end_of_text_id, shuffled
+from jaxpar.data.windows import (TokenWindows, check_position, end_of_text_id, load_tokenizer,
+                                  shuffled)
 from jaxpar.logs import quiet_absl
 
 CACHE_BYTES = 1 << 30  # a host keeps its image shard in memory up to this many decoded bytes
@@ -148,21 +148,6 @@ def text_windows(source, key: str, seq_len: int, tokenizer=None) -> TokenWindows
   """
   eos = SEPARATOR if tokenizer is None else end_of_text_id(tokenizer)
   return TokenWindows(source, key, seq_len, eos, tokenizer)
-
-
-def load_tokenizer(path: str):
-  """A `tokenizers` JSON file (tokenizer.json, or a model folder holding one) -> Tokenizer; a
-  bad path is one sentence."""
-  if os.path.isdir(path):  # a Hugging Face model folder
-    path = os.path.join(path, "tokenizer.json")
-  if not os.path.isfile(path):
-    raise ConfigError(f"data.tokenizer={path} does not exist (give a tokenizers JSON file, "
-                      f"e.g. a tokenizer.json, or leave it empty for byte-level tokens)")
-  from tokenizers import Tokenizer
-  try:
-    return Tokenizer.from_file(path)
-  except Exception as e:  # the library raises plain Exceptions for unparsable files
-    raise ConfigError(f"data.tokenizer={path} is not a tokenizers JSON file ({e})") from None
 
 
 def image_stats(ds: Dataset, split: str) -> tuple[np.ndarray, np.ndarray]:

@@ -13,6 +13,8 @@ O(batch x (window + longest document)) memory and reading time.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from jaxpar.config import ConfigError
@@ -28,6 +30,21 @@ def end_of_text_id(tokenizer) -> int:
     if i is not None:
       return i
   return 0
+
+
+def load_tokenizer(path: str):
+  """A `tokenizers` JSON file (tokenizer.json, or a model folder holding one) -> Tokenizer; a
+  bad path is one sentence."""
+  if os.path.isdir(path):  # a Hugging Face model folder
+    path = os.path.join(path, "tokenizer.json")
+  if not os.path.isfile(path):
+    raise ConfigError(f"data.tokenizer={path} does not exist (give a tokenizers JSON file, "
+                      f"e.g. a tokenizer.json, or leave it empty for byte-level tokens)")
+  from tokenizers import Tokenizer
+  try:
+    return Tokenizer.from_file(path)
+  except Exception as e:  # the library raises plain Exceptions for unparsable files
+    raise ConfigError(f"data.tokenizer={path} is not a tokenizers JSON file ({e})") from None
 
 
 def as_bytes(text) -> bytes:

@@ -34,7 +34,7 @@ from jaxpar import config as jconfig
 from jaxpar import kinds
 from jaxpar.config import ConfigError
 from jaxpar.data import SEPARATOR, VOCAB_SIZE, tokenize
-from jaxpar.data.windows import end_of_text_id
+from jaxpar.data.windows import end_of_text_id, load_tokenizer
 from jaxpar.interop import export
 from jaxpar.models import decoder, gpt, kvcache, llama, precision
 from jaxpar.models import registry as jmodel
@@ -69,7 +69,6 @@ class Codec:
     self.tokenizer = None
     self.eos, self.vocab = SEPARATOR, VOCAB_SIZE
     if path:
-      from jaxpar.data.tfds_source import load_tokenizer  # TFDS and grain: only with a tokenizer
       self.tokenizer = load_tokenizer(path)
       self.eos, self.vocab = end_of_text_id(self.tokenizer), self.tokenizer.get_vocab_size()
 
