@@ -178,6 +178,9 @@ def test_fine_tune_from_a_folder_trains(folders, tmp_path, monkeypatch):
                                  max_position_embeddings=T, bos_token_id=0, eos_token_id=0)
   _randomise(transformers.LlamaForCausalLM(cfg), 2).save_pretrained(folder)
   write_tokenizer(folder)
+  special = {"eos_token": "</s>", "bos_token": "<s>", "unk_token": "<unk>"}
+  with open(os.path.join(folder, "special_tokens_map.json"), "w") as f:
+    json.dump(special, f)
   cfg = config.load(None, [f"model.init_from={folder}", f"model.seq_len={T}", f"train.batch_size={B}",
                            "data.source=synthetic", "train.steps=2", "precision.compute_dtype=float32"], base=hf.model_overrides)
   logs, first = [], []
@@ -218,6 +221,11 @@ def test_fine_tune_from_a_folder_trains(folders, tmp_path, monkeypatch):
   m, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
   assert not info["missing_keys"] and not info["unexpected_keys"]
   assert m.config.eos_token_id == m.config.bos_token_id == 2  # the folder tokenizer's end of text
+  # and its tokenizer beside the weights: the folder's files, a tokenizer_config.json made for it
+  assert "the run's tokenizer (tokenizer.json, tokenizer_config.json, special_tokens_map.json)" in r.stdout
+  assert json.loads((out / "special_tokens_map.json").read_text()) == special
+  tok = transformers.AutoTokenizer.from_pretrained(str(out))
+  assert tok("the cat sat")["input_ids"] == [3, 4, 5] and tok.eos_token_id == 2
 
 
 @pytest.mark.parametrize("breakage,words", [

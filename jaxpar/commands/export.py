@@ -1,9 +1,10 @@
 """Export a checkpoint: jaxpar-export --workdir DIR [--step N] --out FILE.safetensors
 (one file, FILE.json beside it with the model config and jaxpar version), or --hf FOLDER (a
-Hugging Face folder, config.json + model.safetensors, for `from_pretrained`). Also
-python -m jaxpar export, or python scripts/export.py in a checkout."""
+Hugging Face folder for `from_pretrained`: config.json, model.safetensors and the run's tokenizer
+files). Also python -m jaxpar export, or python scripts/export.py in a checkout."""
 from __future__ import annotations
 
+import os
 import sys
 
 from jaxpar.commands import cli
@@ -25,7 +26,9 @@ def main(argv=None) -> int:
     if args.hf:
       from jaxpar.interop import hf  # only --hf needs the Hugging Face interop
       config = hf.export(args.workdir, args.hf, args.step)
-      print(f"wrote {args.hf}/model.safetensors and config.json ({config['architectures'][0]})")
+      tokenizer = [n for n in hf.TOKENIZER_FILES if os.path.isfile(os.path.join(args.hf, n))]
+      print(f"wrote {args.hf}/model.safetensors and config.json ({config['architectures'][0]})"
+            + (f", and the run's tokenizer ({', '.join(tokenizer)})" if tokenizer else ""))
       return 0
     info = export.export(args.workdir, args.out, args.step)
     print(f"wrote {args.out} ({info['n_tensors']} tensors, {info['n_params']:,} parameters, "

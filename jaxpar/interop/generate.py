@@ -68,6 +68,8 @@ class Codec:
       path = folder
     self.tokenizer = None
     self.eos, self.vocab = SEPARATOR, VOCAB_SIZE
+    # the tokenizers file itself ("" for byte tokens): export --hf copies it beside the weights
+    self.path = os.path.join(path, "tokenizer.json") if path and os.path.isdir(path) else path
     if path:
       self.tokenizer = load_tokenizer(path)
       self.eos, self.vocab = end_of_text_id(self.tokenizer), self.tokenizer.get_vocab_size()

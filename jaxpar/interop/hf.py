@@ -5,7 +5,8 @@ In: `config.json` gives the model keys (`model_overrides`); `*.safetensors` (one
 index) give the parameters, read one jaxpar tensor at a time and put straight onto its sharding
 (`load_params`), so no host holds more of the model than that tensor. Out (`export`): the same
 layout, written tensor by tensor, with a `config.json` that `transformers` loads with
-`from_pretrained` and no missing or unexpected keys.
+`from_pretrained` and no missing or unexpected keys, and the run's tokenizer files
+(`write_tokenizer`).
 
 Layout differences handled here: GPT-2's Conv1D weights are (in, out) like jaxpar's, Llama's
 Linear weights are (out, in) and are transposed; GPT-2's joined q/k/v is split (its key bias is
@@ -188,4 +189,37 @@ def _export(directory: str, step: int, out_dir: str, cfg) -> dict:
   with writes(path), open(path, "w") as f:
     json.dump(hf, f, indent=2)
     f.write("\n")
+  write_tokenizer(Codec(cfg), out_dir, mc.max_positions or mc.seq_len)
   return hf
+
+
+# What a Hugging Face folder's tokenizer is made of; export --hf copies those the run's has.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model")
+
+
+def write_tokenizer(codec: Codec, out_dir: str, max_length: int) -> list[str]:
+  """The run's tokenizer beside the weights, so `AutoTokenizer.from_pretrained(out_dir)` gives the
+  ids it trained on: its `tokenizers` file as tokenizer.json and, when that file is a folder's
+  tokenizer.json, the folder's other tokenizer files (TOKENIZER_FILES). Without a
+  tokenizer_config.json among them, one naming the fast tokenizer and its end-of-text token is
+  written. Returns the names written; none for byte tokens."""
+  if not codec.path:
+    return []
+  sources = {"tokenizer.json": codec.path}
+  if os.path.basename(codec.path) == "tokenizer.json":
+    folder = os.path.dirname(codec.path)
+    sources.update({name: os.path.join(folder, name) for name in TOKENIZER_FILES[1:]
+                    if os.path.isfile(os.path.join(folder, name))})
+  for name, src in sources.items():
+    dst = os.path.join(out_dir, name)
+    with writes(dst):
+      shutil.copyfile(src, dst)
+  if "tokenizer_config.json" not in sources:
+    eos = codec.tokenizer.id_to_token(codec.eos)
+    path = os.path.join(out_dir, "tokenizer_config.json")
+    with writes(path), open(path, "w") as f:
+      json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+                 **({"eos_token": eos, "bos_token": eos} if eos is not None else {})}, f, indent=2)
+      f.write("\n")
+  return sorted({*sources, "tokenizer_config.json"})
