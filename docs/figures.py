@@ -1,4 +1,4 @@
-"""The guides' figures, regenerated from jaxpar's own code and reference JSON: `python docs/figures.py`.
+"""The guides' figures, from jaxpar's own code and reference JSON: `python docs/figures.py`.
 
 Each figure is written as docs/images/NAME.png with the numbers it draws beside it as
 docs/images/NAME.json; tests/test_figures.py checks those numbers against their sources.
@@ -221,6 +221,7 @@ def draw_context(d: dict) -> None:
                "(plan.py)", loc="left")
   ax.legend(frameon=False)
   ax.set_xlim(T[0] / 1.3, T[-1] * 1.6)
+  ax.set_ylim(0, None)
   for side in ("top", "right"):
     ax.spines[side].set_visible(False)
   fig.tight_layout()
