@@ -64,8 +64,6 @@ def test_experts_not_divisible_by_the_expert_split_is_one_sentence():
   assert str(e.value) == ("mesh 4x2x1 (data=4, model=2, pipeline=1) does not fit: "
                           "model.n_experts=6 is not divisible by data=4, which splits the experts "
                           "(expert parallelism)")
-  with pytest.raises(ConfigError, match="not supported with a pipeline"):
-    jmesh.check((2, 2, 2), make_cfg(), 8)
 
 
 def test_train_exits_2_with_the_sentence(tmp_path):
@@ -236,3 +234,38 @@ def test_expert_split_exchanges_by_all_to_all_and_never_gathers_the_experts(stag
   assert not set(gathered) & expert_shapes(cfg, 4, 2), gathered
   if stage == 3:  # the other weights are gathered, so the parse sees all-gathers at all
     assert gathered
+
+
+# -- under a pipeline -----------------------------------------------------------------------------
+
+def in_microbatch_order(batch, d, M):
+  """The global batch's rows reordered so that one device's grad_accum=M microbatch i holds the
+  rows of the pipeline's microbatch i on every data replica (replica r's shard, rows i·b...):
+  the router's load-balancing loss is a statistic of a microbatch's tokens, not a mean of rows."""
+  B = batch.shape[0]
+  b = B // (d * M)
+  rows = [r * (B // d) + i * b + j for i in range(M) for r in range(d) for j in range(b)]
+  return batch[np.array(rows)]
+
+
+# (kind, mesh, schedule, ZeRO stage): experts split over data under GPipe, and under 1F1B with
+# tensor parallelism inside each expert (3 axes > 1) and ZeRO-3 gathering the other weights
+PIPE_LAYOUTS = [("gpt", (2, 1, 2), "gpipe", 0), ("llama", (2, 2, 2), "1f1b", 3)]
+
+
+@pytest.mark.parametrize("kind,shape,schedule,stage", PIPE_LAYOUTS,
+                         ids=[f"{k}-{jmesh.spec_str(s)}-{c}-zero{z}" for k, s, c, z in PIPE_LAYOUTS])
+def test_pipeline_with_experts_split_matches_one_device(kind, shape, schedule, stage):
+  M = 2
+  sets = [f"model.kind={kind}", f"parallel.microbatches={M}"]
+  cfg = make_cfg(*sets, f"parallel.schedule={schedule}", f"parallel.zero_stage={stage}")
+  data = batches(cfg, 2)
+  losses, metrics, grads = train(cfg, shape, data)
+  ref_cfg = make_cfg(*sets, f"train.grad_accum={M}")
+  ref_losses, ref_metrics, ref_grads = train(
+      ref_cfg, (1, 1, 1), [in_microbatch_order(b, shape[0], M) for b in data])
+  np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+  for name in ("lm_loss", "moe_aux_loss", "moe_z_loss", "moe_max_load"):
+    np.testing.assert_allclose(metrics[name], ref_metrics[name], rtol=RTOL, err_msg=name)
+  assert_trees_close(grads, ref_grads, "gradient")
+  assert metrics["loss"] > metrics["lm_loss"]  # the router's losses are in the loss trained

@@ -134,7 +134,7 @@ def _on_ring(parts: Parts, n: int, ctx: StepContext) -> Parts:
 
 def pipeline_grads(parts: Parts, params: dict, micro: dict, sched,
                    ctx: StepContext = StepContext(), remat: str = "none", loss_scale=1.0,
-                   forward_only=False):
+                   forward_only=False, metric_weights: dict | None = None):
   """Loss and gradients through the pipeline schedule `sched` (stack.pipeline_grads), the
   microbatches' tokens micro['tokens'] [M, b, T+1] scored by next-token cross-entropy (or, split
   over `context`, this device's share of `split_sequence`'s {'inputs', 'targets'} [M, b, T/C])."""
@@ -146,7 +146,8 @@ def pipeline_grads(parts: Parts, params: dict, micro: dict, sched,
   score = lambda logits, mb: (cross_entropy(logits, mb["targets"], ctx.manual), {})
   parts = _on_ring(parts, micro["inputs"].shape[2], ctx)
   return stack.pipeline_grads(parts, params, micro, sched, score, ctx=ctx, remat=remat,
-                              loss_scale=loss_scale, forward_only=forward_only)
+                              loss_scale=loss_scale, forward_only=forward_only,
+                              metric_weights=metric_weights)
 
 
 def with_router_losses(ce: jax.Array, metrics: dict, tc) -> tuple[jax.Array, dict]:
@@ -169,6 +170,7 @@ def model_def(cfg, module) -> ModelDef:
   base = from_nnx(lambda rngs: module.MODULE(mc, rngs=rngs, param_dtype=param_dtype),
                   loss_fn=lambda out, batch: (out, {}))
   rate = mc.dropout
+  router_weights = {"moe_aux_loss": cfg.train.moe_aux_weight, "moe_z_loss": cfg.train.moe_z_weight}
 
   def loss_(params, batch, ctx=StepContext(), rng=None):
     if rate == 0 or rng is None:  # evaluation, or no dropout: today's program, no key in it
@@ -179,14 +181,12 @@ def model_def(cfg, module) -> ModelDef:
     return with_router_losses(*out, cfg.train)
 
   def pipeline(params, micro, sched, ctx=StepContext(), loss_scale=1.0, forward_only=False):
-    if mc.n_experts:  # mesh.check says so first
-      raise ConfigError(f"model.n_experts={mc.n_experts} is not supported with a pipeline: the "
-                        "schedule does not carry the router's losses between stages; use "
-                        "pipeline=1")
     if rate > 0 and not forward_only:  # mesh.check says so first; a Trainer made without it
       raise ConfigError(f"model.dropout={rate} is not supported with a pipeline: the schedule "
                         "does not carry the step's key; use pipeline=1 or model.dropout=0")
-    return pipeline_grads(parts, params, micro, sched, ctx, remat, loss_scale, forward_only)
+    loss, metrics, grads = pipeline_grads(parts, params, micro, sched, ctx, remat, loss_scale,
+                                          forward_only, router_weights)
+    return (*with_router_losses(loss, metrics, cfg.train), grads)
   # DESIGN's model FLOPs per token: 6 N_nonembedding + 12 L D T (causal attention counted in full)
   flops_tok = 6 * module.n_params_nonembedding(mc) + 12 * mc.n_layers * mc.d_model * mc.seq_len
   return ModelDef(init=base.init, loss=loss_, logical=base.logical, abstract=base.abstract,

@@ -114,7 +114,8 @@ def forward_metrics(parts: Parts, params: dict, inputs: Any, ctx: StepContext = 
 
 def pipeline_grads(parts: Parts, params: dict, micro: dict, sched, score: Callable,
                    inputs: Callable = lambda mb: mb["inputs"], ctx: StepContext = StepContext(),
-                   remat: str = "none", loss_scale=1.0, forward_only=False):
+                   remat: str = "none", loss_scale=1.0, forward_only=False,
+                   metric_weights: dict | None = None):
   """Loss and gradients through the pipeline schedule `sched` (inside a shard_map over `pipeline`).
 
   params: this stage's layers (leaves [L/P, ...]) and the replicated `top`; micro: batch leaves
@@ -122,6 +123,9 @@ def pipeline_grads(parts: Parts, params: dict, micro: dict, sched, score: Callab
   (mean loss, dict of scalar metrics), both averaged over the microbatches. ZeRO-3 shards are
   gathered inside each use, so their gradients come back reduce-scattered. Gradients are of
   `loss_scale` times the loss; with `forward_only` (evaluation) there are none (None).
+  The blocks' `parts.metrics` join the metrics as their means over the layers and microbatches;
+  `metric_weights` ({name: weight}, every name of parts.metrics) adds weight x each to the loss
+  the gradients are of (a mixture's router losses), not to the loss returned.
   """
   top, top_dims, layer_dims = split(params, ctx.dims)
   layer_ctx = replace(ctx, dims=layer_dims)
@@ -130,14 +134,15 @@ def pipeline_grads(parts: Parts, params: dict, micro: dict, sched, score: Callab
     return parts.embed(zero.gather(t, top_dims), inputs(mb), ctx.dtype)
 
   def stage_fn(layers, x):
-    return run_layers(layers, x, parts.block, layer_ctx, remat)
+    return run_layers(layers, x, parts.block, layer_ctx, remat, parts.metrics)
 
   def loss_fn(t, x, mb):
     loss, metrics = score(parts.head(zero.gather(t, top_dims), x), mb)
     as_f32 = lambda v: jnp.asarray(v, jnp.float32)
     return as_f32(loss), {k: as_f32(v) for k, v in metrics.items()}
   (loss, metrics), g_layers, g_top = pipeline.execute(
-      sched, params["layers"], top, micro, embed_fn, stage_fn, loss_fn, loss_scale, forward_only)
+      sched, params["layers"], top, micro, embed_fn, stage_fn, loss_fn, loss_scale, forward_only,
+      aux_weights={k: (metric_weights or {}).get(k, 0.0) for k in parts.metrics} or None)
   if forward_only:
     return loss, metrics, None
   return loss, metrics, {**g_top, "layers": g_layers}

@@ -111,17 +111,13 @@ def check(shape, cfg: Config, n_devices: int) -> None:
 
 def _expert_problems(mc, d: int, m: int, p: int) -> list[str]:
   """What a mixture of experts needs: experts split evenly over `data` (expert parallelism, the
-  rules' `expert` row), the experts' width over `model`, no pipeline."""
+  rules' `expert` row), the experts' width over `model`."""
   problems = []
   if mc.n_experts % d:
     problems.append(f"model.n_experts={mc.n_experts} is not divisible by data={d}, which splits "
                     "the experts (expert parallelism)")
   if mc.moe_d_ff % m:  # the shared experts' width is a multiple of it; d_ff is checked above
     problems.append(f"model.moe_d_ff={mc.moe_d_ff} is not divisible by model={m}")
-  if p > 1:
-    problems.append(f"model.n_experts={mc.n_experts} is not supported with a pipeline "
-                    f"(pipeline={p}): the schedule does not carry the router's losses between "
-                    "stages; use pipeline=1")
   return problems
 
 

@@ -223,7 +223,7 @@ def _fit_slots(a: np.ndarray, P: int, M: int, V: int, start: int) -> int:
 
 
 def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, loss_scale=1.0,
-            forward_only=False):
+            forward_only=False, aux_weights: dict | None = None):
   """Runs `sched` inside a shard_map manual over `pipeline`; returns ((loss, metrics), layer grads,
   top grads).
 
@@ -238,6 +238,12 @@ def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, lo
 
   With `forward_only` (evaluation) the table's backward slots idle, the last chunk's stage adds
   each microbatch's loss as its forward completes, and no gradients are made (both None).
+
+  With `aux_weights` ({name: weight}, e.g. a mixture's router losses) stage_fn returns
+  (x, {name: float32 scalar}), each a mean over the chunk's layers. The metrics then hold each
+  name's mean over all layers (every chunk of every stage) and microbatches, and the gradients
+  are of loss + sum(weight x that mean): a chunk's backward seeds its scalars' cotangents with
+  their weights, so no stage waits for another's. The loss returned stays loss_fn's alone.
   """
   P, M, V, K = sched.stages, sched.microbatches, sched.virtual_stages, sched.slots
   s = jax.lax.axis_index(PIPE)
@@ -254,23 +260,29 @@ def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, lo
   scored = jax.eval_shape(loss_fn, top, x_shape, take(micro, 0))  # (loss, metrics)
   no_score = lambda: jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), scored)
   add = lambda a, b: jax.tree_util.tree_map(jnp.add, a, b)
+  names = tuple(aux_weights or ())
+  # a chunk's scalars -> its share of the means over all P·V chunks and M microbatches
+  share = lambda aux: {k: aux[k] / (M * P * V) for k in names}
+  run = stage_fn if names else lambda ch, x: (stage_fn(ch, x), {})
+  seed = {k: jnp.float32(aux_weights[k] * loss_scale / (M * P * V)) for k in names}
 
   def fwd(carry, i, c):
-    stash, recv_f, recv_b, g_layers, g_top, loss = carry
+    stash, recv_f, recv_b, g_layers, g_top, (loss, acc) = carry
     x = jax.lax.cond((s == 0) & (c == 0), lambda: embed_fn(top, take(micro, i)),
                      lambda: recv_f[slot(i, c)])
-    y = stage_fn(chunk(c), x)
+    y, aux = run(chunk(c), x)
     if forward_only:  # nothing to stash for a backward; the last chunk's output is scored now
       l = jax.lax.cond((s == P - 1) & (c == V - 1),
                        lambda: jax.tree_util.tree_map(lambda v: v / M,
                                                       loss_fn(top, y, take(micro, i))), no_score)
-      return (stash, recv_f, recv_b, g_layers, g_top, add(loss, l)), y, zeros_x
-    return (stash.at[slot(i, c)].set(x), recv_f, recv_b, g_layers, g_top, loss), y, zeros_x
+      return (stash, recv_f, recv_b, g_layers, g_top, (add(loss, l), add(acc, share(aux)))), y, \
+          zeros_x
+    return (stash.at[slot(i, c)].set(x), recv_f, recv_b, g_layers, g_top, (loss, acc)), y, zeros_x
 
   def bwd(carry, i, c):
-    stash, recv_f, recv_b, g_layers, g_top, loss = carry
+    stash, recv_f, recv_b, g_layers, g_top, (loss, acc) = carry
     mb = take(micro, i)
-    y, vjp = jax.vjp(stage_fn, chunk(c), stash[slot(i, c)])
+    (y, aux), vjp = jax.vjp(run, chunk(c), stash[slot(i, c)])
 
     def from_loss():
       def scaled(t, y):
@@ -281,7 +293,7 @@ def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, lo
     last = (s == P - 1) & (c == V - 1)
     l, d_top, dy = jax.lax.cond(last, from_loss,
                                 lambda: (no_score(), zeros_like(top), recv_b[slot(i, c)]))
-    d_chunk, dx = vjp(dy.astype(y.dtype))
+    d_chunk, dx = vjp((dy.astype(y.dtype), seed))
     g_layers = jax.tree_util.tree_map(
         lambda g, d: jax.lax.dynamic_update_slice_in_dim(
             g, jax.lax.dynamic_slice_in_dim(g, c * Lc, Lc, 0) + d, c * Lc, 0), g_layers, d_chunk)
@@ -289,7 +301,8 @@ def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, lo
     d_embed = jax.lax.cond(first, lambda: jax.vjp(lambda t: embed_fn(t, mb), top)[1](dx)[0],
                            lambda: zeros_like(top))
     g_top = jax.tree_util.tree_map(lambda a, b, e: a + b + e, g_top, d_top, d_embed)
-    return (stash, recv_f, recv_b, g_layers, g_top, add(loss, l)), zeros_x, dx
+    return (stash, recv_f, recv_b, g_layers, g_top, (add(loss, l), add(acc, share(aux)))), \
+        zeros_x, dx
 
   def idle(carry, i, c):
     return carry, zeros_x, zeros_x
@@ -311,15 +324,18 @@ def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, lo
     return (stash, recv_f, recv_b, g_layers, g_top, loss), None
 
   buf = jnp.zeros((K,) + x_shape.shape, x_shape.dtype)
+  scores = (no_score(), {k: jnp.zeros((), jnp.float32) for k in names})
   if forward_only:  # no gradient accumulators, no stash
-    init = (jnp.zeros((0,) + x_shape.shape, x_shape.dtype), buf, buf, None, None, no_score())
+    init = (jnp.zeros((0,) + x_shape.shape, x_shape.dtype), buf, buf, None, None, scores)
   else:
-    init = (buf, buf, buf, zeros_like(layers), zeros_like(top), no_score())
-  (_, _, _, g_layers, g_top, loss), _ = jax.lax.scan(tick, init, jnp.arange(sched.ticks))
+    init = (buf, buf, buf, zeros_like(layers), zeros_like(top), scores)
+  (_, _, _, g_layers, g_top, scores), _ = jax.lax.scan(tick, init, jnp.arange(sched.ticks))
+  (loss, metrics), acc = jax.lax.psum(scores, PIPE)
+  out = (loss, {**metrics, **acc})
   if forward_only:
-    return jax.lax.psum(loss, PIPE), None, None
+    return out, None, None
   g_top = jax.tree_util.tree_map(zero.in_float32(lambda g: jax.lax.psum(g, PIPE)), g_top)
-  return jax.lax.psum(loss, PIPE), g_layers, g_top
+  return out, g_layers, g_top
 
 
 # -- layer order of the circular schedule ---------------------------------------------------------
