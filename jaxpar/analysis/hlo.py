@@ -498,6 +498,24 @@ def collectives(hlo_text: str) -> Iterator[Collective]:
         yield Collective(kind, tuple(_arrays(ins.shape)), comp.name, ins.name)
 
 
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+
+
+def entry_parameters(hlo_text: str) -> list[tuple[str, int]]:
+  """(name, bytes on one device) of each parameter of the entry computation, in parameter order:
+  after SPMD partitioning a parameter's shape is its shard. The name is JAX's path of the
+  argument (`state['params']['layers']['wq']`, its metadata op_name), "" where it gives none."""
+  comps, entry = _module(hlo_text)
+  out = []
+  for ins in (comps[entry].instrs.values() if entry else ()):
+    number = re.search(r"parameter\((\d+)\)", ins.raw)
+    if ins.opcode == "parameter" and number:
+      m = _OP_NAME.search(ins.raw)
+      out.append((int(number.group(1)), m.group(1).replace("\\'", "'") if m else "",
+                  shape_bytes(ins.shape)))
+  return [(name, size) for _, name, size in sorted(out)]
+
+
 def sent_bytes(hlo_text: str, devices: int) -> dict[str, float]:
   """Bytes one device sends per execution for each collective kind, by ring algorithms over each
   collective's own replica group (`_own_sent`); `devices`: the group of a collective that names

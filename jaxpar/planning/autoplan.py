@@ -157,9 +157,11 @@ def _compute_dtype_bytes(cfg: Config) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ModelFacts:
-  """What the predictions need from the model: parameter count and training FLOPs per step."""
+  """What the predictions need from the model: parameter count and training FLOPs per step, and
+  the parameters of a mixture's experts (split over `data`, not reduced over it)."""
   n_params: float
   flops_per_step: float
+  expert_params: float = 0.0
 
   @staticmethod
   def of(cfg: Config, n_params: float | None = None) -> ModelFacts:
@@ -168,13 +170,16 @@ class ModelFacts:
     import jax
     model = plan._model(cfg)
     count = sum(math.prod(a.shape) for a in jax.tree_util.tree_leaves(model.abstract))
+    axes = jax.tree_util.tree_leaves(model.logical, is_leaf=lambda x: isinstance(x, tuple))
+    experts = sum(math.prod(a.shape) for a, ax in zip(jax.tree_util.tree_leaves(model.abstract),
+                                                      axes) if "expert" in ax)
     flops = model.flops_per_example * cfg.train.batch_size
     if n_params is not None:
       mc = cfg.model
       tokens = mc.seq_len * cfg.train.batch_size
       attention = 12 * mc.n_layers * mc.d_model * mc.seq_len if mc.kind != "cnn" else 0
-      count, flops = n_params, (6 * n_params + attention) * tokens
-    return ModelFacts(float(count), float(flops))
+      count, flops, experts = n_params, (6 * n_params + attention) * tokens, 0
+    return ModelFacts(float(count), float(flops), float(experts))
 
 
 def _bubble(lay: Layout) -> tuple[float, int]:
@@ -196,7 +201,7 @@ def estimate(cfg: Config, lay: Layout, facts: ModelFacts, r: Rates,
   """The analytic prediction for one layout: model-state bytes, link bytes and step time."""
   d, m, p, c = jmesh.normalize(lay.mesh)
   bp, bg, bo = state or state_bytes_per_param(cfg)
-  shard = facts.n_params / (m * p)
+  shard = (facts.n_params - facts.expert_params) / (m * p)  # the experts stay split over data
   sent = 0.0
   if d > 1:
     ring = (d - 1) / d
@@ -206,6 +211,9 @@ def estimate(cfg: Config, lay: Layout, facts: ModelFacts, r: Rates,
   mc = cfg.model
   if mc.kind != "cnn":
     act = cfg.train.batch_size / d * mc.seq_len / c * mc.d_model * _compute_dtype_bytes(cfg)
+    if mc.n_experts and d > 1:  # parallel/expert.py, per layer: rows out and back in the forward,
+      # again in its recomputation and in the backward; a buffer holds d x every row (dropless)
+      sent += 6 * mc.n_layers * (d - 1) / d * d * act * mc.experts_per_token
     if c > 1:  # models/ring.py, per layer of the device's stage: the K/V ring sends (6c - 4) x
       # one device's k chunk; under a pipeline its all-gather form, 6 (c - 1) x
       kv = act / mc.d_model * (mc.n_kv_heads or mc.n_heads) * (mc.d_model // mc.n_heads) / m
@@ -233,6 +241,8 @@ def evaluate(cfg: Config, lay: Layout, facts: ModelFacts, r: Rates, devices: Seq
              collectives=coll, link_bytes=sent, bubble=bubble,
              model_state_bytes=sum(report["bytes_per_device"].values()),
              **_times(facts.flops_per_step, n, sent, bubble, r))
+  if report["experts"]:  # a mixture: its experts' bytes on one device, from the program
+    row["experts"] = report["experts"]
   return row
 
 
@@ -410,6 +420,12 @@ def format_result(res: dict, top: int = 5) -> str:
   for x, r in zip(rows, ranked):
     lines.append(fmt(x))
     lines.append(" " * (widths[0] + 2) + "why: " + r["why"])
+    if r.get("experts"):
+      ex = r["experts"]
+      lines.append(" " * (widths[0] + 2) + f"experts: {ex['per_device']} of {ex['n_experts']} "
+                   f"per device, weights {_bytes(ex['weights_bytes'] or 0)}, dispatch buffer "
+                   f"{_bytes(ex['dispatch_buffer_bytes'])}, all-to-all "
+                   f"{_bytes(ex['all_to_all_bytes'])} per step")
   return "\n".join(lines)
 
 

@@ -110,7 +110,7 @@ def plan(cfg: Config, mesh_shape: str | Sequence[int], devices: Sequence[Any] | 
   unsharded = {"params": full_params, "grads": full_params,
                "opt_state": sum(_full_bytes(a) for a in jax.tree_util.tree_leaves(opt_abstract))}
 
-  parameters = []
+  parameters, experts = [], []
   flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
   leaves = lambda tree, leaf=None: jax.tree_util.tree_leaves(tree, is_leaf=leaf)
   is_axes = lambda x: isinstance(x, tuple) and not is_spec(x)
@@ -127,6 +127,9 @@ def plan(cfg: Config, mesh_shape: str | Sequence[int], devices: Sequence[Any] | 
         "opt_spec": spec_str(o_spec, a.ndim),
         "bytes_per_device": shard_bytes(a.shape, a.dtype, p_sh),
     })
+    if "expert" in logical:  # (its path's key, experts in all, experts on one device)
+      at = list(logical).index("expert")
+      experts.append((jax.tree_util.keystr(path), a.shape[at], p_sh.shard_shape(a.shape)[at]))
 
   d, m, p, c = shape
   return {
@@ -151,9 +154,36 @@ def plan(cfg: Config, mesh_shape: str | Sequence[int], devices: Sequence[Any] | 
       "flops_per_step": hlo.flops(compiled),
       "model_flops_per_step": model.flops_per_example * cfg.train.batch_size,
       "pipeline": _pipeline(layout.schedule),
+      "experts": _experts(experts, text),
       "parameters": parameters,
       "config": to_dict(cfg),
   }
+
+
+def _experts(leaves: list[tuple[str, int, int]], text: str) -> dict | None:
+  """A mixture's experts on one device, read off the compiled program `text`: the bytes of the
+  expert weights and of their optimizer state (the entry parameters named by the leaves' paths,
+  `leaves`: (key path, experts, experts per device) of each parameter with the `expert` axis), the
+  largest all-to-all (the buffer that carries one layer's rows to their experts' owners, or back)
+  and the all-to-all bytes of a step. None for a model without experts."""
+  if not leaves:
+    return None
+  keys = [key for key, _, _ in leaves]
+  weights = opt = 0
+  params = hlo.entry_parameters(text)
+  for name, size in params:
+    if any(name.endswith("['params']" + k) for k in keys):
+      weights += size
+    elif any(name.endswith(k) for k in keys):
+      opt += size
+  named = any(name for name, _ in params)  # a program whose parameters carry no paths: unknown
+  a2a = [sum(hlo.shape_bytes(f"{t}[{','.join(map(str, dims))}]") for t, dims in c.arrays)
+         for c in hlo.collectives(text) if c.kind == "all-to-all"]
+  total, local = max((e, el) for _, e, el in leaves)
+  return {"n_experts": total, "split": total // local, "per_device": local,
+          "weights_bytes": weights if named else None, "opt_state_bytes": opt if named else None,
+          "dispatch_buffer_bytes": max(a2a, default=0),
+          "all_to_all_bytes": hlo.collective_bytes(text)["all-to-all"]}
 
 
 def _compile(trainer: Trainer, batch: Any, store: bool) -> Any:
@@ -237,6 +267,14 @@ def format_table(report: dict) -> str:
                "(XLA cost analysis, one device; loop bodies counted once)")
   lines.append(f"model_flops_per_step  {_flops(report['model_flops_per_step'])}  "
                "(analytic training FLOPs of one global batch, all devices)")
+  ex = report.get("experts")
+  if ex:
+    lines.append("")
+    lines.append(f"experts: {ex['n_experts']} split {ex['split']} ways over the mesh, "
+                 f"{ex['per_device']} per device (from the compiled program)")
+    for key in ("weights_bytes", "opt_state_bytes", "dispatch_buffer_bytes", "all_to_all_bytes"):
+      value = ex[key]
+      lines.append(f"  {key:<22} {'n/a' if value is None else _mib(value):>16}")
   pipe = report.get("pipeline")
   if pipe:
     lines.append("")
