@@ -269,3 +269,33 @@ def test_pipeline_with_experts_split_matches_one_device(kind, shape, schedule, s
     np.testing.assert_allclose(metrics[name], ref_metrics[name], rtol=RTOL, err_msg=name)
   assert_trees_close(grads, ref_grads, "gradient")
   assert metrics["loss"] > metrics["lm_loss"]  # the router's losses are in the loss trained
+
+
+# -- checkpoints across expert splits -------------------------------------------------------------
+
+def test_resume_onto_another_expert_split_continues_with_the_same_losses(tmp_path):
+  """Saved with one expert per device (8x1x1), restored with four per device and tensor
+  parallelism inside each (2x2x1, ZeRO-3): the next steps' losses are the straight run's."""
+  from jaxpar.train import checkpoint
+  cfg = make_cfg("model.kind=llama")
+  data = batches(cfg, 4)
+  make = lambda shape, stage: Trainer(
+      make_cfg("model.kind=llama", f"parallel.zero_stage={stage}"),
+      jmesh.make(shape, jax.devices()[:int(np.prod(shape))]), jmodel.gpt(cfg))
+  t = make((8, 1, 1), 1)
+  state = t.init(cfg.train.seed)
+  straight = []
+  with checkpoint.Checkpointer(str(tmp_path / "ckpt"), keep=1, every=2) as ckpt:
+    for i, b in enumerate(data):
+      state, m = t.step(state, {"tokens": jnp.asarray(b)})
+      straight.append(float(m["loss"]))
+      if i == 1:
+        ckpt.maybe_save(2, state, {}, force=True)
+  u = make((2, 2, 1), 3)
+  with checkpoint.Checkpointer(str(tmp_path / "ckpt"), keep=1, every=2) as ckpt:
+    state, _ = ckpt.restore(2, u.abstract_state, u.state_shardings)
+  resumed = []
+  for b in data[2:]:
+    state, m = u.step(state, {"tokens": jnp.asarray(b)})
+    resumed.append(float(m["loss"]))
+  np.testing.assert_allclose(resumed, straight[2:], rtol=RTOL)
