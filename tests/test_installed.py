@@ -60,7 +60,7 @@ def run(argv, installed, timeout=300):
 
 def test_the_wheel_installs_every_command_and_jaxpar_from_itself(installed):
   bin_dir, _, _ = installed
-  for name in ("train", "plan", "launch", "export", "generate"):
+  for name in ("train", "plan", "launch", "export", "generate", "dataset"):
     assert os.access(bin_dir / f"jaxpar-{name}", os.X_OK), f"no console script jaxpar-{name}"
   r = run([bin_dir / "python", "-c", "import jaxpar; print(jaxpar.__file__)"], installed)
   assert r.returncode == 0, r.stderr

@@ -13,7 +13,7 @@ from jaxpar.commands import cli
 
 def main(argv=None) -> int:
   p = cli.Parser(description=__doc__)
-  sub = p.add_subparsers(dest="kind", required=True, parser_class=cli.Parser)
+  sub = p.add_subparsers(dest="kind", metavar="images", required=True, parser_class=cli.Parser)
   images = sub.add_parser("images", help="images with class labels, for model.kind=cnn")
   images.add_argument("source", help="FOLDER/CLASS/IMAGE.png (or FOLDER/train/CLASS/..., "
                                      "FOLDER/test/CLASS/...), FILE.npz or IMAGES.npy")
@@ -27,7 +27,7 @@ def main(argv=None) -> int:
                       help="held out as the validation split when SOURCE has no validation or "
                            "test split (default 0.1; 0 for none)")
   images.add_argument("--replace", action="store_true", help="rebuild a dataset of that name")
-  p.add_argument("--debug", action="store_true", help="show tracebacks")
+  images.add_argument("--debug", action="store_true", help="show tracebacks")
   args = p.parse_args(argv)
 
   def body():
