@@ -5,6 +5,7 @@ bad input as one sentence.
 
 Tiny shapes: 2 layers, d_model 32, 8 experts, top-2, one shared expert, sequence 16.
 """
+import math
 import subprocess
 import sys
 
@@ -299,3 +300,25 @@ def test_resume_onto_another_expert_split_continues_with_the_same_losses(tmp_pat
     state, m = u.step(state, {"tokens": jnp.asarray(b)})
     resumed.append(float(m["loss"]))
   np.testing.assert_allclose(resumed, straight[2:], rtol=RTOL)
+
+
+# -- the exchange's bytes from the compiled program -----------------------------------------------
+
+@pytest.mark.parametrize("factor", [0.0, 1.0], ids=["dropless", "capacity-1"])
+def test_all_to_all_bytes_per_moe_layer_follow_the_buffer_formula(factor):
+  """Per device, per MoE layer and step, the all-to-alls' results (hlo.collective_bytes' unit)
+  are 4 buffers of d x S rows of D float32 values (the rows out and back, in the forward and in
+  the backward: the block's checkpoint keeps moe.SAVED, so the backward runs no exchange again)
+  and twice the d x El group sizes (int32, recomputed in the backward). S = A, all of a device's
+  A = tokens x k routed rows, when dropless (no expert can overflow; XLA:CPU has no ragged
+  all-to-all, so the buffers hold d times the routed rows), and S = min(A, ceil(f A / E) x E/d)
+  with capacity factor f (f times the routed rows)."""
+  cfg = make_cfg(f"model.capacity_factor={factor}")
+  d, L, D, E, k = 8, cfg.model.n_layers, cfg.model.d_model, cfg.model.n_experts, 2
+  t = Trainer(cfg, jmesh.make((d, 1, 1)), jmodel.gpt(cfg))
+  text = t.lower({"tokens": jax.ShapeDtypeStruct((8, 17), jnp.int32)}).compile().as_text()
+  A = 8 // d * cfg.model.seq_len * k
+  S = A if not factor else min(A, math.ceil(factor * A / E) * (E // d))
+  formula = 4 * d * S * D * 4 + 2 * d * (E // d) * 4
+  moved = hlo.collective_bytes(text)["all-to-all"] / L
+  assert moved == pytest.approx(formula, rel=0.10), (moved, formula)

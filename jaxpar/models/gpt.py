@@ -188,7 +188,9 @@ def attend(q, k, v, ctx: StepContext) -> jax.Array:
 # recomputed from them (elementwise work; no matmul runs twice). Left to autodiff, the tanh GELU
 # alone keeps six (B*T, F) intermediates per layer: the 4-layer d_model 256 benchmark step had
 # 403 MB of XLA:CPU temporaries, freshly page-faulted on every step; with this, 183 MB.
-_KEEP = jax.checkpoint_policies.save_only_these_names("mid", "mlp_in")
+# A mixture's block keeps moe.SAVED too: recomputing it would run its all-to-alls and the
+# experts' matmuls a second time.
+_KEEP = jax.checkpoint_policies.save_only_these_names("mid", "mlp_in", *moe.SAVED)
 _NOTHING = jax.checkpoint_policies.nothing_saveable
 
 

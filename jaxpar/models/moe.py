@@ -23,10 +23,16 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import ModelConfig
 from jaxpar.parallel import expert, tensor
 from jaxpar.parallel.rules import constrain
+
+# What a block's checkpoint policy keeps of the mixture so that its backward runs no exchange and
+# no expert matmul again: the rows an owner receives, the experts' matmul outputs before their
+# activation, and the rows come back (the router's small matmul and the sorts are recomputed).
+SAVED = ("moe_rows", "moe_gate", "moe_up", "moe_out")
 
 # what a MoE block reports beside its output, each a mean over the MoE layers
 METRICS = ("moe_aux_loss", "moe_z_loss", "moe_max_load", "moe_dropped")
@@ -113,10 +119,12 @@ def mlp(p: dict, h: jax.Array, cfg: ModelConfig, manual=frozenset()) -> tuple[ja
   def experts_fn(rows, sizes):  # this device's experts on rows sorted by them
     w = lambda name: p[name].astype(x.dtype)
     dot = lambda a, name: jax.lax.ragged_dot(a, w(name), sizes)
+    rows = checkpoint_name(rows, "moe_rows")
     if glu:
-      hid = jax.nn.silu(dot(rows, "e_gate")) * dot(rows, "e_up")
+      hid = jax.nn.silu(checkpoint_name(dot(rows, "e_gate"), "moe_gate")) * checkpoint_name(
+          dot(rows, "e_up"), "moe_up")
     else:
-      hid = jax.nn.gelu(dot(rows, "e_w1"))
+      hid = jax.nn.gelu(checkpoint_name(dot(rows, "e_w1"), "moe_up"))
     hid = constrain(hid, (None, "mlp"), manual=manual)  # (M, F), F split over `model`
     return dot(hid, "e_down" if glu else "e_w2")
 
@@ -126,6 +134,7 @@ def mlp(p: dict, h: jax.Array, cfg: ModelConfig, manual=frozenset()) -> tuple[ja
   else:  # a buffer per owner holds at most its experts' capacity, and at most every row
     capacity = min(A, C * (E // jax.lax.axis_size(axis)))
     out = expert.run_owned(rows, group_sizes, experts_fn, capacity, axis)
+  out = checkpoint_name(out, "moe_out")
   out = out[jnp.argsort(order)].reshape(N, k, D)  # back in token order
   if keep is not None:
     weights = jnp.where(keep.reshape(N, k), weights, 0.0)
