@@ -74,11 +74,15 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-  source: str = "local_text"  # local_text | tfds | synthetic
+  source: str = "local_text"  # local_text | images | tfds | synthetic
   name: str = ""  # TFDS dataset name when source=tfds
   split: str = "train"  # the split trained on
-  data_dir: str = ""  # local_text: built there, "" = <workdir>/data; tfds: "" = TFDS's default
-  path: str = ""  # folder of text files for local_text; "" = this Python's standard library
+  # local_text, images: built there, "" = <workdir>/data; tfds: "" = TFDS's default
+  data_dir: str = ""
+  # local_text: a folder of text files, "" = this Python's standard library; images: a folder of
+  # class subfolders of images (PNG, JPEG, ...) or an .npz of images and labels (docs/data.md)
+  path: str = ""
+  image_size: str = ""  # images: resize every image to HxW (or SIDE) pixels; "" = as they are
   max_bytes: int = 8_000_000  # local_text: cap on bytes read from the folder (0 = no cap)
   eval_split: str = "validation"  # split evaluated every train.eval_every steps
   augment: bool = False  # images: random flips and 4-pixel crops of training batches
@@ -196,7 +200,7 @@ class Config:
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _CHOICES = {
-    "data.source": ("local_text", "tfds", "synthetic"),
+    "data.source": ("local_text", "images", "tfds", "synthetic"),
     "parallel.schedule": ("gpipe", "circular", "1f1b"),
     "parallel.remat": ("none", "full", "dots_saveable", "offload"),
     "parallel.context_attention": ("auto", "ring", "allgather"),
@@ -380,20 +384,28 @@ def get(cfg: Config, key: str) -> Any:
 
 
 def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = (),
-         base: Callable[[str], dict[str, Any]] | None = None) -> Config:
+         base: Callable[[str], dict[str, Any]] | None = None,
+         follow: Callable[[Config], dict[str, Any]] | None = None) -> Config:
   """Defaults, then the YAML file at `path`, then `key=value` overrides (later wins).
 
   With `model.init_from`, `base(folder)` gives the model keys read from that folder (for a Hugging
-  Face folder, `jaxpar.interop.hf.model_overrides`); they come right after the defaults.
+  Face folder, `jaxpar.interop.hf.model_overrides`); they come right after the defaults, as do
+  the keys `follow(config)` gives ({'section.key': value}: what follows from the data, such as
+  the class count of data.source=images).
   """
   cfg = _load(Config(), path, overrides)
+  first = Config()
   if cfg.model.init_from:
     if base is None:
       raise ConfigError(f"model.init_from={cfg.model.init_from} needs the folder's model keys: "
                         "load with base=jaxpar.interop.hf.model_overrides")
-    first = _apply(Config(), "model.init_from", cfg.model.init_from)
+    first = _apply(first, "model.init_from", cfg.model.init_from)
     for name, value in base(cfg.model.init_from).items():
       first = _apply(first, f"model.{name}", value)
+  if follow is not None:
+    for key, value in follow(cfg).items():
+      first = _apply(first, key, value)
+  if first != Config():
     cfg = _load(first, path, overrides)
   return validate(cfg)
 

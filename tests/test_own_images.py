@@ -202,3 +202,83 @@ def test_bad_input_is_one_sentence_and_leaves_nothing(tmp_path, capsys):
   assert code == 0 and "2 classes" in err and "model.num_classes=2" in out, err
   assert "already holds a dataset parity" in refused(tmp_path / "x.npy", "--labels",
                                                      tmp_path / "y.npy", name="parity")
+
+
+IMAGES = ["model.kind=cnn", "data.source=images", "train.batch_size=8"]
+
+
+def test_one_command_builds_an_image_folder_and_trains_on_it(tmp_path, capsys):
+  """data.source=images data.path=FOLDER builds the folder under <workdir>/data at the first
+  run, with the classes setting model.num_classes; its batches are those of the dataset
+  jaxpar-dataset images builds from the same folder; a changed folder is rebuilt, an unchanged
+  one reused, and processes sharing the data dir build it once."""
+  from jaxpar.data import local_images
+  folder, wd = tmp_path / "pets", tmp_path / "wd"
+  _write_folder(folder)
+  images = IMAGES + [f"data.path={folder}"]
+  capsys.readouterr()
+  assert train_command.main(["--mesh", "8x1x1", "--print-config", "--set", *images]) == 0
+  assert "num_classes: 3\n" in capsys.readouterr().out
+  code = train_command.main(["--mesh", "8x1x1", "--workdir", str(wd), "--steps", "2",
+                             "--no-progress", "--set", *images])
+  out = capsys.readouterr()
+  assert code == 0 and "steps: 2" in out.out, out.err
+  assert "built local_images/pets_" in out.err
+  assert "(16 train and 2 validation images of 12x10x3, 3 classes" in out.err
+  # the reference: the dataset the two-command form builds
+  code, _, err = _build(capsys, "images", folder, "--data-dir", tmp_path / "ref", "--name", "pets")
+  assert code == 0, err
+  for split, batch in (("train", 8), ("validation", 2)):
+    ref = jconfig.load(None, ["model.kind=cnn", "data.source=tfds", "data.name=local_images/pets",
+                              f"data.data_dir={tmp_path / 'ref'}", "model.num_classes=3",
+                              f"train.batch_size={batch}", "data.workers=0"])
+    auto = jconfig.load(None, images + ["model.num_classes=3", "data.workers=0",
+                                        f"train.batch_size={batch}"])
+    a, b = make_loader(auto, str(wd), split=split), make_loader(ref, "", split=split)
+    for _ in range(2):
+      x, y = a.next(), b.next()
+      np.testing.assert_array_equal(x["image"], y["image"])
+      np.testing.assert_array_equal(x["label"], y["label"])
+    a.close(), b.close()
+  assert "built" not in capsys.readouterr().err  # reused
+  from PIL import Image
+  Image.fromarray(np.zeros((12, 10, 3), np.uint8)).save(folder / "dog" / "new.png")
+  make_loader(auto, str(wd)).close()
+  err = capsys.readouterr().err
+  assert "changed since" in err and "(17 train and 2 validation images" in err, err
+  assert len(os.listdir(wd / "data" / "local_images")) == 2  # the dataset and its lock
+  # processes sharing a data dir: one builds, the others wait and find it built
+  import concurrent.futures
+  with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    got = list(pool.map(lambda _: local_images.prepare(str(folder), str(tmp_path / "shared")),
+                        range(3)))
+  assert len({name for name, _ in got}) == 1 and sum(built for _, built in got) == 1
+
+
+def test_image_folder_bad_input_is_one_sentence(tmp_path, capsys):
+  from PIL import Image
+  folder = tmp_path / "pets"
+  _write_folder(folder)
+
+  def refused(*sets):
+    capsys.readouterr()
+    code = train_command.main(["--mesh", "8x1x1", "--workdir", str(tmp_path / "wd"), "--steps",
+                               "1", "--no-progress", "--set", *IMAGES, *sets])
+    line = _one_error(code, capsys.readouterr().err)
+    assert not (tmp_path / "wd").exists()  # nothing built or written
+    return line
+
+  assert "has 3 classes, more than model.num_classes=2" in refused(f"data.path={folder}",
+                                                                   "model.num_classes=2")
+  assert "needs data.path" in refused()
+  assert "does not exist" in refused(f"data.path={tmp_path / 'nowhere'}")
+  np.save(tmp_path / "x.npy", np.zeros((4, 8, 8), np.uint8))
+  assert "holds images only" in refused(f"data.path={tmp_path / 'x.npy'}")
+  assert "data.image_size=big is not" in refused(f"data.path={folder}", "data.image_size=big")
+  Image.fromarray(np.zeros((5, 7), np.uint8)).save(folder / "dog" / "small.png")
+  assert "data.image_size=HEIGHTxWIDTH" in refused(f"data.path={folder}")
+  cfg = jconfig.load(None, IMAGES + [f"data.path={folder}", "data.image_size=6x5",
+                                     "data.workers=0"])
+  it = make_loader(cfg, str(tmp_path / "wd"))
+  assert it.next()["image"].shape == (8, 6, 5, 3)
+  it.close()

@@ -57,11 +57,21 @@ def hf_model_keys(folder: str) -> dict:
   return hf.model_overrides(folder)
 
 
+def data_keys(cfg: jconfig.Config) -> dict:
+  """Keys that follow from the data, for `config.load(follow=...)`: with data.source=images,
+  model.num_classes is the class count of data.path (what the file or --set gives still wins)."""
+  if cfg.data.source != "images":
+    return {}
+  from jaxpar.data import local_images  # imports TFDS: only for images
+  return {"model.num_classes": len(local_images.class_names(cfg.data.path))}
+
+
 def setup(args, processes: int = 1) -> tuple[jconfig.Config, tuple[int, ...]]:
   """Parses mesh and config, then (before JAX starts) simulates this process's share of devices
   and sets the host malloc for that count (jaxpar.parallel.hostmem)."""
   shape = jmesh.parse(args.mesh)
-  cfg = kinds.check(jconfig.load(args.config, args.set, base=hf_model_keys))
+  cfg = kinds.check(jconfig.load(args.config, args.set, base=hf_model_keys,
+                                 follow=data_keys))
   n = math.prod(shape)
   jmesh.check(shape, cfg, n)  # the degrees against the model: a refusal comes alone, first
   if n % processes:

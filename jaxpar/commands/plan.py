@@ -145,13 +145,15 @@ def main(argv=None) -> int:
   args = _args(argv)
   try:
     if args.print_config:  # the config a plan would compile, checked against --mesh if given
-      cfg = kinds.check(config.load(args.config, args.overrides, base=cli.hf_model_keys))
+      cfg = kinds.check(config.load(args.config, args.overrides, base=cli.hf_model_keys,
+                                    follow=cli.data_keys))
       if args.mesh:
         shape = mesh.parse(args.mesh)
         mesh.check(shape, cfg, math.prod(shape))
       return cli.print_config(cfg)
     _check_search_args(args)
-    cfg = config.load(args.config, args.overrides, base=cli.hf_model_keys)
+    cfg = config.load(args.config, args.overrides, base=cli.hf_model_keys,
+                      follow=cli.data_keys)
     cli.use_compile_cache(cfg)  # the cache train.py reads: a planned step is not compiled twice
     if args.auto or args.analytic:
       return _search(args, cfg)

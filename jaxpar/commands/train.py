@@ -40,7 +40,8 @@ def main(argv=None) -> int:
                                          show=spec.process_id == 0 and not args.print_config
                                          ) + args.set
     if args.print_config:  # what this run would train, checked against the mesh; nothing runs
-      cfg = kinds.check(config.load(args.config, args.set, base=cli.hf_model_keys))
+      cfg = kinds.check(config.load(args.config, args.set, base=cli.hf_model_keys,
+                                    follow=cli.data_keys))
       if args.steps is not None:  # as loop.run applies it
         cfg = config.override(cfg, train={"steps": args.steps})
       shape = jmesh.parse(args.mesh)

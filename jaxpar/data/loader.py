@@ -300,12 +300,15 @@ def make_loader(cfg, workdir: str, process_index: int = 0, process_count: int = 
   `train=False` turns augmentation off. Bad data settings raise ConfigError.
   """
   split = split or cfg.data.split
+  if cfg.data.source == "images":
+    cfg = images_as_tfds(cfg, workdir)
   if cfg.data.source == "tfds":
     from jaxpar.data import tfds_source  # imports grain and TFDS only when needed
     return tfds_source.make_batches(cfg, split, process_index, process_count, train)
   if cfg.model.kind == "cnn":  # the decoders (gpt, llama) read text
-    raise ConfigError(f"model.kind={cfg.model.kind} needs images: set data.source=tfds and "
-                      f"data.name to an image dataset such as cifar10")
+    raise ConfigError(f"model.kind={cfg.model.kind} needs images: set data.source=images and "
+                      f"data.path to a folder of them, or data.source=tfds and data.name to an "
+                      f"image dataset such as cifar10")
   tokenizer = None
   if cfg.data.tokenizer:
     if cfg.data.source != "local_text":
@@ -329,8 +332,34 @@ def make_loader(cfg, workdir: str, process_index: int = 0, process_count: int = 
   return TokenBatches(it)
 
 
+def images_as_tfds(cfg, workdir: str):
+  """`cfg` (data.source=images) reading the TFDS dataset its data.path is built into under
+  data.data_dir (default <workdir>/data): built now if missing or stale (local_images.prepare)."""
+  import dataclasses
+
+  from jaxpar.data import local_images, tfds_source  # import TFDS and grain only when needed
+  data = cfg.data
+  data_dir = os.path.abspath(data.data_dir or os.path.join(workdir, "data"))
+  size = local_images.parse_size(data.image_size, "data.image_size=") if data.image_size else None
+  classes = local_images.class_names(data.path)
+  if len(classes) > cfg.model.num_classes:  # said before anything is built
+    raise ConfigError(f"data.path={data.path} has {len(classes)} classes, more than "
+                      f"model.num_classes={cfg.model.num_classes} (left unset, it follows the "
+                      f"classes)")
+  name, built = local_images.prepare(data.path, data_dir, size)
+  if built:  # a dataset of that name read before in this process is gone
+    tfds_source.open_dataset.cache_clear()
+  data = dataclasses.replace(data, source="tfds", name=f"local_images/{name}", data_dir=data_dir)
+  return dataclasses.replace(cfg, data=data)
+
+
 def image_shape(data_cfg) -> tuple[int, int, int]:
   """(height, width, channels) of the configured image dataset; ConfigError if there is none."""
+  if data_cfg.source == "images":  # read from the images themselves: nothing is built
+    from jaxpar.data import local_images  # imports TFDS: only for images
+    size = (local_images.parse_size(data_cfg.image_size, "data.image_size=")
+            if data_cfg.image_size else None)
+    return local_images.read(local_images.source_path(data_cfg.path), None, size).shape
   if data_cfg.source != "tfds":
     raise ConfigError(f"model.kind=cnn needs images, but data.source={data_cfg.source} is text: "
                       f"set data.source=tfds and data.name to an image dataset such as cifar10")

@@ -12,12 +12,17 @@ Each split is stored in a fixed shuffled order (seed 0), so the contiguous shard
 holds every class. A folder or arrays without a validation or test split give a fixed random
 `validation` fraction of the examples to a `validation` split.
 
+`prepare` is the same build at train time (data.source=images data.path=SOURCE): named after the
+source, kept with a fingerprint of its files, rebuilt when they change, one process at a time.
+
 Bad input (no images, mixed sizes, an unreadable file, labels that do not match the images) is
 one ConfigError sentence; the build goes to a temporary folder renamed into place at the end,
 so nothing half-written is left.
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import re
 import shutil
@@ -60,11 +65,11 @@ def _pil():
   return Image
 
 
-def parse_size(text: str) -> tuple[int, int]:
-  """'32' or '32x48' -> (height, width)."""
+def parse_size(text: str, what: str = "--size ") -> tuple[int, int]:
+  """'32' or '32x48' -> (height, width); `what` names the setting in the error."""
   m = re.fullmatch(r"(\d+)(?:x(\d+))?", text.strip())
   if not m or int(m.group(1)) < 1 or (m.group(2) and int(m.group(2)) < 1):
-    raise ConfigError(f"--size {text} is not HEIGHTxWIDTH or SIDE in pixels (e.g. 32x32 or 32)")
+    raise ConfigError(f"{what}{text} is not HEIGHTxWIDTH or SIDE in pixels (e.g. 32x32 or 32)")
   return int(m.group(1)), int(m.group(2) or m.group(1))
 
 
@@ -97,10 +102,8 @@ def _subfolders(folder: str) -> list[str]:
                 if not d.startswith(".") and os.path.isdir(os.path.join(folder, d)))
 
 
-def read_folder(root: str, size: tuple[int, int] | None, validation: float) -> Images:
-  """A folder of class subfolders of images, or of train/validation(val)/test subfolders that
-  each hold the class subfolders."""
-  Image = _pil()
+def _layout(root: str) -> tuple[dict[str, str], list[str]]:
+  """({split: folder} ('' for a folder without splits), the class names) of an image folder."""
   if not os.path.isdir(root):
     raise ConfigError(f"{root} " + ("is not a folder, .npz or .npy file" if os.path.exists(root)
                                     else "does not exist"))
@@ -113,6 +116,14 @@ def read_folder(root: str, size: tuple[int, int] | None, validation: float) -> I
   if not classes:
     raise ConfigError(f"{split_dirs.get('train', root)} has no class subfolders (images go in "
                       f"one folder per class: {root}/CLASS/IMAGE.png)")
+  return split_dirs, classes
+
+
+def read_folder(root: str, size: tuple[int, int] | None, validation: float) -> Images:
+  """A folder of class subfolders of images, or of train/validation(val)/test subfolders that
+  each hold the class subfolders."""
+  Image = _pil()
+  split_dirs, classes = _layout(root)
   per_split: dict[str, list[tuple[str, int]]] = {}
   sizes, gray = {}, True
   for split, folder in split_dirs.items():
@@ -137,7 +148,8 @@ def read_folder(root: str, size: tuple[int, int] | None, validation: float) -> I
   if size is None and len(sizes) > 1:
     (a, first), (b, second) = list(sizes.items())[:2]
     raise ConfigError(f"the images differ in size ({first} is {a[0]}x{a[1]}, {second} is "
-                      f"{b[0]}x{b[1]} pixels): pass --size HEIGHTxWIDTH to resize them all")
+                      f"{b[0]}x{b[1]} pixels): resize them all with --size HEIGHTxWIDTH "
+                      f"(data.image_size=HEIGHTxWIDTH when training on the folder)")
   h, w = size or next(iter(sizes))[::-1]
   mode = "L" if gray else "RGB"
 
@@ -323,8 +335,10 @@ def read(source: str, labels: str | None = None, size: tuple[int, int] | None = 
 
 def build(source: str, data_dir: str, name: str, labels: str | None = None,
           size: tuple[int, int] | None = None, validation: float = DEFAULT_VALIDATION,
-          replace: bool = False) -> tfds.core.DatasetBuilder:
-  """Builds `local_images/name` under data_dir from `source`; returns its (read-only) builder."""
+          replace: bool = False, stamp: str = "") -> tfds.core.DatasetBuilder:
+  """Builds `local_images/name` under data_dir from `source`; returns its (read-only) builder.
+  A `stamp` (`fingerprint`) is written into the dataset's folder before it is renamed into
+  place."""
   if not _NAME.fullmatch(name):
     raise ConfigError(f"--name {name} must be lowercase letters, digits and underscores")
   final = os.path.join(data_dir, "local_images", name)
@@ -346,6 +360,9 @@ def build(source: str, data_dir: str, name: str, labels: str | None = None,
           raise ConfigError(builder.failure) from None
         raise
     os.makedirs(os.path.dirname(final), exist_ok=True)
+    if stamp:
+      with open(os.path.join(tmp, "local_images", name, STAMP), "w") as f:
+        f.write(stamp)
     if os.path.exists(final):  # --replace: the old one goes only once the new one is complete
       shutil.rmtree(final)
     os.replace(os.path.join(tmp, "local_images", name), final)
@@ -367,3 +384,90 @@ def train_flags(builder, data_dir: str) -> str:
   """The --set words that train the cnn on a built dataset."""
   return (f"model.kind=cnn data.source=tfds data.name={builder.info.full_name.rsplit('/', 1)[0]} "
           f"data.data_dir={data_dir} model.num_classes={builder.info.features['label'].num_classes}")
+
+
+# Built at train time (data.source=images): DATA_DIR/local_images/<folder name>_<hash of its
+# path and size>, rebuilt when the fingerprint of its files no longer matches the one kept beside.
+STAMP = "source.sha256"
+_STAMP_FORMAT = 1  # bump when what a build stores changes
+
+
+def source_path(source: str) -> str:
+  """The real path of data.path for data.source=images; ConfigError when it cannot be one."""
+  if not source:
+    raise ConfigError("data.source=images needs data.path: a folder of class subfolders of "
+                      "images (FOLDER/CLASS/IMAGE.png) or an .npz of images and labels")
+  if source.endswith(".npy") and not os.path.isdir(source):
+    raise ConfigError(f"data.path={source} holds images only; train on a folder or an .npz of "
+                      f"images and labels, or build it with jaxpar-dataset images {source} "
+                      f"--labels LABELS.npy and train with data.source=tfds")
+  if not os.path.exists(source):
+    raise ConfigError(f"data.path={source} does not exist")
+  return os.path.realpath(source)
+
+
+def class_names(source: str) -> list[str]:
+  """The classes a build of `source` (a folder or an .npz) would have, read cheaply."""
+  source = source_path(source)
+  if os.path.isdir(source):
+    return _layout(source)[1]
+  return read_arrays(source, None, None, 0.0).class_names
+
+
+def auto_name(source: str, size: tuple[int, int] | None) -> str:
+  """The dataset name a train-time build of `source` at `size` gets."""
+  source = source_path(source)
+  stem = re.sub(r"[^a-z0-9_]+", "_", os.path.splitext(os.path.basename(source))[0].lower())
+  stem = stem.strip("_")[:40] or "images"
+  digest = hashlib.sha256(f"{source}\0{size}".encode()).hexdigest()[:12]
+  return f"{stem}_{digest}"
+
+
+def fingerprint(source: str, size: tuple[int, int] | None, validation: float) -> str:
+  """sha256 of what a build reads: every non-hidden file under a folder (path, size, mtime) or
+  the .npz's size and mtime, with the build's settings; it changes when the images do."""
+  source = source_path(source)
+  h = hashlib.sha256(f"{_STAMP_FORMAT}\0{source}\0{size}\0{validation!r}\n".encode())
+  if os.path.isdir(source):
+    for dirpath, dirnames, filenames in os.walk(source):
+      dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+      for name in sorted(n for n in filenames if not n.startswith(".")):
+        st = os.stat(os.path.join(dirpath, name))
+        rel = os.path.relpath(os.path.join(dirpath, name), source)
+        h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+  else:
+    st = os.stat(source)
+    h.update(f"{st.st_size}\0{st.st_mtime_ns}\n".encode())
+  return h.hexdigest()
+
+
+def _stamp(final: str) -> str:
+  try:
+    with open(os.path.join(final, STAMP)) as f:
+      return f.read()
+  except OSError:
+    return ""
+
+
+def prepare(source: str, data_dir: str, size: tuple[int, int] | None = None,
+            validation: float = DEFAULT_VALIDATION) -> tuple[str, bool]:
+  """(name, built): the dataset of `source` under data_dir, built when missing or when its
+  images changed since (`fingerprint`). Processes sharing data_dir take turns under a file lock:
+  the first builds, the others wait and find it built. A build is complete or absent (renamed
+  into place with its stamp inside), so a stamp that matches is a whole dataset."""
+  name = auto_name(source, size)
+  final = os.path.join(data_dir, "local_images", name)
+  stamp = fingerprint(source, size, validation)
+  os.makedirs(os.path.dirname(final), exist_ok=True)
+  with open(os.path.join(os.path.dirname(final), f".{name}.lock"), "a") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      if _stamp(final) == stamp and os.path.isdir(os.path.join(final, str(LocalImages.VERSION))):
+        return name, False
+      if os.path.exists(final):
+        print(f"jaxpar: the images of {source} changed since local_images/{name} was built; "
+              f"rebuilding it", file=sys.stderr)
+      build(source, data_dir, name, size=size, validation=validation, replace=True, stamp=stamp)
+      return name, True
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
