@@ -391,7 +391,7 @@ def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = (),
   With `model.init_from`, `base(folder)` gives the model keys read from that folder (for a Hugging
   Face folder, `jaxpar.interop.hf.model_overrides`); they come right after the defaults, as do
   the keys `follow(config)` gives ({'section.key': value}: what follows from the data, such as
-  the class count of data.source=images).
+  the class count of data.source=images). A folder's tokenizer: `with_folder_tokenizer`.
   """
   cfg = _load(Config(), path, overrides)
   first = Config()
@@ -407,7 +407,18 @@ def load(path: str | None = None, overrides: list[str] | tuple[str, ...] = (),
       first = _apply(first, key, value)
   if first != Config():
     cfg = _load(first, path, overrides)
-  return validate(cfg)
+  return validate(with_folder_tokenizer(cfg))
+
+
+def with_folder_tokenizer(cfg: Config) -> Config:
+  """`cfg` with data.tokenizer set to the model.init_from folder when that holds a tokenizer.json
+  and text is read without one: a model fine-tunes on its own tokens, as generation and
+  export --hf speak them. Synthetic data stays byte tokens."""
+  folder = cfg.model.init_from
+  if (folder and not cfg.data.tokenizer and cfg.data.source in ("local_text", "tfds")
+      and os.path.isfile(os.path.join(folder, "tokenizer.json"))):
+    return _apply(cfg, "data.tokenizer", folder)
+  return cfg
 
 
 def _load(cfg: Config, path: str | None, overrides) -> Config:

@@ -228,6 +228,39 @@ def test_fine_tune_from_a_folder_trains(folders, tmp_path, monkeypatch):
   assert tok("the cat sat")["input_ids"] == [3, 4, 5] and tok.eos_token_id == 2
 
 
+def test_a_folder_with_a_tokenizer_fine_tunes_on_its_tokens(tmp_path):
+  """With no data.tokenizer, text is tokenised by the model.init_from folder's tokenizer.json,
+  as generation and export --hf speak it, and the run's start-up says which; a folder without
+  one, and synthetic data, keep byte tokens."""
+  from jaxpar.interop import generate
+  from tokenizers import Tokenizer
+  folder = llama_folder(tmp_path / "llama", 4, 2, 32, vocab=256)
+  bare = llama_folder(tmp_path / "bare", 4, 2, 32, vocab=256)
+  write_tokenizer(folder)
+  text = tmp_path / "text"
+  text.mkdir()
+  (text / "a.txt").write_text(" ".join(WORDS[i % 5] for i in range(400)))
+  sets = [f"data.path={text}", f"model.seq_len={T}", f"train.batch_size={B}", "data.workers=0",
+          "train.steps=1", "precision.compute_dtype=float32"]
+  cfg = config.load(None, [f"model.init_from={folder}", *sets], base=hf.model_overrides)
+  assert cfg.data.tokenizer == folder
+  assert generate.Codec(cfg).path == os.path.join(folder, "tokenizer.json")
+  # the reference: the tokenizer's own ids of the text, each window a slice of them
+  ids = Tokenizer.from_file(os.path.join(folder, "tokenizer.json")).encode(
+      (text / "a.txt").read_text(), add_special_tokens=False).ids + [2]  # </s> ends it
+  stream = " ".join(map(str, ids))
+  logs = []
+  result = loop.run(cfg, (8, 1, 1), str(tmp_path / "wd"), progress=False, log=logs.append)
+  assert result.steps == 1
+  assert f"tokenizer: {folder} (the model.init_from folder's tokenizer.json)" in logs
+  tokens = jdata.make_loader(cfg, str(tmp_path / "wd")).next()["tokens"]
+  assert all(" ".join(map(str, row)) in stream for row in tokens), tokens
+  for folder_, extra in ((bare, []), (folder, ["data.source=synthetic"])):
+    cfg = config.load(None, [f"model.init_from={folder_}", *sets, *extra],
+                      base=hf.model_overrides)
+    assert cfg.data.tokenizer == ""
+
+
 @pytest.mark.parametrize("breakage,words", [
     ("arch", ["config.json", "architecture", "BertModel"]),
     ("missing", ["has no tensor", "model.layers.1.mlp.up_proj.weight"]),

@@ -106,6 +106,11 @@ class _Run:
       self.batches = jdata.make_loader(cfg, workdir, pi, pc)
       evals = (jdata.make_loader(cfg, workdir, pi, pc, split=cfg.data.eval_split, train=False)
                if cfg.train.eval_every else None)
+    if cfg.data.tokenizer and cfg.model.kind != "cnn":  # which tokens the model learns
+      own = cfg.model.init_from and (os.path.realpath(cfg.data.tokenizer)
+                                     == os.path.realpath(cfg.model.init_from))
+      log(f"tokenizer: {cfg.data.tokenizer}"
+          + (" (the model.init_from folder's tokenizer.json)" if own else ""))
     os.makedirs(workdir, exist_ok=True)
     self.ckpt = jckpt.Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.checkpoint.keep,
                                    every=cfg.checkpoint.every)
