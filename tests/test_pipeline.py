@@ -58,8 +58,10 @@ def test_chart_shows_every_stage():
 
 
 # P = 2 alone is left to test_equivalence.py's 2x2x2 layouts and the other files' 1x1x2 ones.
+# Each schedule alone on 4 stages and with data, tensor and ZeRO-3; ZeRO-1 with data on 4 stages
+# under the circular schedule, whose layer order the state keeps (stage order) is the odd one.
 PIPE_LAYOUTS = [(shape, stage, name) for name in ("gpipe", "1f1b", "circular")
-                for shape, stage in (((1, 1, 4), 0), ((2, 2, 2), 3), ((2, 1, 4), 1))]
+                for shape, stage in (((1, 1, 4), 0), ((2, 2, 2), 3))] + [((2, 1, 4), 1, "circular")]
 
 
 @pytest.fixture(scope="module")
