@@ -1,8 +1,9 @@
 """A mixture-of-experts MLP for the decoders' blocks (gpt.py, llama.py, where model.n_experts > 0).
 
 A router scores each token against the E experts and sends it to its k best; the expert MLPs run
-on the tokens sorted by expert as grouped matmuls (`jax.lax.ragged_dot`), so no (tokens x experts
-x width) tensor is made, and each token's k outputs are summed with the router's weights.
+on the tokens sorted by expert as grouped matmuls (grouped.py: `jax.lax.ragged_dot`, or tiles on
+the CPU, whose ragged_dot is a masked dense matmul), so no (tokens x experts x width) tensor is
+made, and each token's k outputs are summed with the router's weights.
 Dropless by default: every expert takes all its tokens. With model.capacity_factor an expert
 takes at most C = ceil(factor x tokens x k / E) of a device's tokens, earliest first, and the rest
 skip it (the block's residual carries them). Shared experts (model.shared_experts) are one dense
@@ -26,6 +27,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config import ModelConfig
+from jaxpar.models import grouped
 from jaxpar.parallel import expert, tensor
 from jaxpar.parallel.rules import constrain
 
@@ -117,8 +119,8 @@ def mlp(p: dict, h: jax.Array, cfg: ModelConfig, manual=frozenset()) -> tuple[ja
   rows = x[order // k]  # (A, D)
 
   def experts_fn(rows, sizes):  # this device's experts on rows sorted by them
-    w = lambda name: p[name].astype(x.dtype)
-    dot = lambda a, name: jax.lax.ragged_dot(a, w(name), sizes)
+    tiles = grouped.layout(sizes, rows.shape[0]) if jax.default_backend() == "cpu" else None
+    dot = lambda a, name: grouped.matmul(a, p[name].astype(x.dtype), sizes, tiles)
     rows = checkpoint_name(rows, "moe_rows")
     if glu:
       hid = jax.nn.silu(checkpoint_name(dot(rows, "e_gate"), "moe_gate")) * checkpoint_name(
