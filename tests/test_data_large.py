@@ -22,6 +22,10 @@ SPLIT_BYTES = 200_000_000
 # holding the split as bytes adds its 200 MB (measured: 400 MB for the two readers, 170-190 MB
 # to the training run).
 MAX_GROWTH_MB = 100
+# The two readers of the first test: 34 MB alone here, but 144 MB once in a fresh-clone CI run
+# (the worker's allocator after a full file of other tests, under load). Two readers holding the
+# split as bytes add 400 MB, one of them 200 MB: both still fail.
+TWO_READERS_MAX_MB = 180
 # A tiny model at the default seq_len (128) and global batch (16).
 RUN = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.d_ff=64"]
 
@@ -128,7 +132,7 @@ def test_local_text_source_reads_the_large_split_lazily(large_split, tmp_path):
   got = [np.concatenate([p.next() for p in parts]) for _ in range(3)]
   growth = _status_mb("VmHWM") - before
   print(f"local_text, 2 processes, 3 batches: peak RSS growth {growth:.0f} MB")
-  assert growth < MAX_GROWTH_MB
+  assert growth < TWO_READERS_MAX_MB
   whole = jdata.make_batches(cfg, 128, 16, 0, str(tmp_path), prefetch=0)
   np.testing.assert_array_equal(got, [whole.next() for _ in range(3)])
   resumed = jdata.make_batches(cfg, 128, 16, 0, str(tmp_path), 1, 2)
