@@ -194,6 +194,16 @@ def generation() -> list[str]:
           r(g["ratio_cpu"], 1)]
 
 
+def moe_ratios() -> list[str]:
+  return [r(ref("moe")["cases"][m]["moe_over_dense"]) for m in ("1x1x1", "8x1x1")]
+
+
+def moe_row(mesh: str) -> list[str]:
+  c = ref("moe")["cases"][mesh]
+  med = c["median_tokens_per_sec"]
+  return [comma(med["dense"]), comma(med["moe"]), r(c["moe_over_dense"], 3)]
+
+
 def peak(stage: int) -> str:
   return r(zero(stage)["compiled"]["peak_bytes"] / 1e6)
 
@@ -217,6 +227,11 @@ QUOTED = [
      lambda: [r(ref("startup")["cases"]["default"]["ratios"]["restart_compile_s_vs_cold"])]),
     ("README.md", "{} tokens/s, {}x the full recompute", lambda: generation()[1:2] + generation()[3:4]),
     ("README.md", "{} of HF transformers + torch's tokens/s", lambda: vs_pytorch()[:1]),
+    ("README.md", "8 experts top-2 at {}x the tokens/s of the dense model of the same active "
+     "parameters on one CPU device, {}x on 8 simulated devices", lambda: moe_ratios()[:2]),
+    ("docs/moe.md", "| 1x1x1 (one CPU device) | {} | {} | {}x |", lambda: moe_row("1x1x1")),
+    ("docs/moe.md", "| 8x1x1 (8 simulated devices, one expert each) | {} | {} | {}x |",
+     lambda: moe_row("8x1x1")),
     # memory: plan.py's compiled steps (docs/images/zero_memory.json)
     *[("docs/memory.md", f"| {stage} " + TABLE_ROW, lambda stage=stage: zero_row(stage))
       for stage in range(4)],
