@@ -117,8 +117,19 @@ def _pyplot():
 
 
 def _save(fig, name: str) -> None:
+  """Lay out, write docs/images/NAME.png and close the figure."""
+  fig.tight_layout()
   fig.savefig(os.path.join(IMAGES, name + ".png"), dpi=110, bbox_inches="tight",
               metadata={"Software": None})
+  import matplotlib.pyplot as plt
+  plt.close(fig)
+
+
+def _open_frame(*axes) -> None:
+  """No top or right spine on these axes."""
+  for ax in axes:
+    for side in ("top", "right"):
+      ax.spines[side].set_visible(False)
 
 
 FWD_COLOR, BWD_COLOR, IDLE_COLOR = "#4c72b0", "#dd8452", "#f2f2f2"
@@ -160,9 +171,7 @@ def draw_schedules(d: dict) -> None:
              loc="upper right", ncol=3, frameon=False)
   fig.suptitle(f"Pipeline schedules as executed: P = {d['stages']} stages, "
                f"M = {d['microbatches']} microbatches", x=0.01, ha="left", y=1.0)
-  fig.tight_layout()
   _save(fig, "pipeline_schedules")
-  plt.close(fig)
 
 
 def draw_zero(d: dict) -> None:
@@ -197,11 +206,8 @@ def draw_zero(d: dict) -> None:
                loc="left")
   ax.set_ylim(0, max(bottom) * 1.15)
   ax.legend(frameon=False, fontsize=8)
-  for side in ("top", "right"):
-    ax.spines[side].set_visible(False)
-  fig.tight_layout()
+  _open_frame(ax)
   _save(fig, "zero_memory")
-  plt.close(fig)
 
 
 def draw_context(d: dict) -> None:
@@ -222,11 +228,8 @@ def draw_context(d: dict) -> None:
   ax.legend(frameon=False)
   ax.set_xlim(T[0] / 1.3, T[-1] * 1.6)
   ax.set_ylim(0, None)
-  for side in ("top", "right"):
-    ax.spines[side].set_visible(False)
-  fig.tight_layout()
+  _open_frame(ax)
   _save(fig, "context_memory")
-  plt.close(fig)
 
 
 def draw_peers(d: dict) -> None:
@@ -265,14 +268,10 @@ def draw_peers(d: dict) -> None:
   right.set_title("The block's matmuls: NN forward, NT data gradient, TN weight gradient",
                   loc="left", fontsize=8)
   right.legend(frameon=False, ncol=2, loc="upper left")
-  for ax in axes:
-    for side in ("top", "right"):
-      ax.spines[side].set_visible(False)
+  _open_frame(*axes)
   fig.suptitle("jaxpar beside its peers on the 2-core CPU machine (benchmarks/reference)",
                x=0.01, ha="left")
-  fig.tight_layout()
   _save(fig, "peers")
-  plt.close(fig)
 
 
 FIGURES = {"pipeline_schedules": (schedule_data, draw_schedules),
