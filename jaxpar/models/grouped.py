@@ -36,8 +36,11 @@ def _tile_rows(M: int, G: int) -> int:
   return t
 
 
-def layout(group_sizes: jax.Array, M: int) -> Layout:
-  """The tiled layout of M rows sorted by group, group_sizes (G,) of them (the rest are padding)."""
+def layout(group_sizes: jax.Array, M: int) -> Layout | None:
+  """The tiled layout of M rows sorted by group, group_sizes (G,) of them (the rest are padding);
+  None where `matmul` runs ragged_dot (not on the CPU), which needs none."""
+  if jax.default_backend() != "cpu":
+    return None
   G = group_sizes.shape[0]
   t = _tile_rows(M, G)
   P = -(-(M + G * (t - 1)) // t) * t  # every group rounded up to whole tiles fits

@@ -119,7 +119,7 @@ def mlp(p: dict, h: jax.Array, cfg: ModelConfig, manual=frozenset()) -> tuple[ja
   rows = x[order // k]  # (A, D)
 
   def experts_fn(rows, sizes):  # this device's experts on rows sorted by them
-    tiles = grouped.layout(sizes, rows.shape[0]) if jax.default_backend() == "cpu" else None
+    tiles = grouped.layout(sizes, rows.shape[0])  # once for the experts' matmuls
     dot = lambda a, name: grouped.matmul(a, p[name].astype(x.dtype), sizes, tiles)
     rows = checkpoint_name(rows, "moe_rows")
     if glu:
