@@ -87,7 +87,7 @@ def check(shape, cfg: Config, n_devices: int) -> None:
         problems.append(f"{name}={value} is not divisible by model={m}")
     stages = p * (pc.virtual_stages if pc.schedule == "circular" else 1)
     if mc.n_experts:
-      problems += _expert_problems(mc, d, m, p)
+      problems += _expert_problems(mc, d, m)
     if mc.n_layers % stages:
       problems.append(f"model.n_layers={mc.n_layers} is not divisible by {stages} pipeline stages")
     if p > 1 and mc.dropout > 0:
@@ -109,7 +109,7 @@ def check(shape, cfg: Config, n_devices: int) -> None:
     raise ConfigError(f"mesh {spec} ({named}) does not fit: " + "; ".join(problems))
 
 
-def _expert_problems(mc, d: int, m: int, p: int) -> list[str]:
+def _expert_problems(mc, d: int, m: int) -> list[str]:
   """What a mixture of experts needs: experts split evenly over `data` (expert parallelism, the
   rules' `expert` row), the experts' width over `model`."""
   problems = []
