@@ -1,6 +1,7 @@
 """A 200 MB text split trains with host memory bounded by the batch, not the split, and resumes."""
 import ctypes
 import gc
+import json
 import os
 import re
 import shutil
@@ -16,16 +17,15 @@ from jaxpar import config as jconfig
 from jaxpar import data as jdata
 
 SPLIT_BYTES = 200_000_000
-# Streaming needs 25-45 MB here (two readers: their counting passes, record files and three
-# batches; once 81 MB, in a full suite under load) and adds 5-30 MB to a training run above the
-# same run on synthetic data. 100 MB leaves room for that noise and is half the split: a reader
-# holding the split as bytes adds its 200 MB (measured: 400 MB for the two readers, 170-190 MB
-# to the training run).
+# Both memory figures come from one fresh process (`measure` below), not from the test worker:
+# after a file of other tests under load, a worker's allocator added 60-110 MB of its own to the
+# same figures (a reader's 34 MB became 144 MB, a run's 60 MB became 150 MB in CI runs).
+# In a fresh process streaming needs 25-45 MB for two readers (their counting passes, record
+# files and three batches) and adds 5-30 MB to a training run above the same run on synthetic
+# data. A reader holding the split as bytes adds its 200 MB (measured: 400 MB for the two
+# readers, 170-190 MB to the training run); 100 MB is half that and fails both.
 MAX_GROWTH_MB = 100
-# The two readers of the first test: 34 MB alone here, but 144 MB once in a fresh-clone CI run
-# (the worker's allocator after a full file of other tests, under load). Two readers holding the
-# split as bytes add 400 MB, one of them 200 MB: both still fail.
-TWO_READERS_MAX_MB = 180
+TWO_READERS_MAX_MB = 100
 # A tiny model at the default seq_len (128) and global batch (16).
 RUN = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.d_ff=64"]
 
@@ -55,35 +55,65 @@ def _build(src: str, data_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def large_split(tmp_path_factory):
-  """The 200 MB split, built in another process, and what a run on synthetic data adds to RSS.
+  """The 200 MB split, built in another process, and the memory figures of a fresh process.
 
-  Another process, so that the build's memory neither counts here nor sits freed in this
-  process's heap, where the loader could reuse it unseen. Meanwhile this process runs the large
-  test's model on synthetic data: what any first run costs (about 500 MB: XLA's compiler and
-  thread pools) is paid. A second run, its program loaded from the compilation cache as the large
-  run's is, measures what a run adds to its starting RSS when its data takes no memory.
+  Another process builds, so that the build's memory neither counts nor sits freed in a heap
+  where a loader could reuse it unseen. A third (`_measure`) takes every memory figure from a
+  fresh start: what its readers and runs add to RSS, against a run on synthetic data.
   """
-  from jaxpar.train import loop
   tmp = tmp_path_factory.mktemp("large")
   src, data_dir = str(tmp / "src"), str(tmp / "tfds")
-  env = child_env()
-  build = subprocess.Popen([sys.executable, __file__, src, data_dir], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env=env)
-  try:
-    warm = jconfig.load(None, ["data.source=synthetic", *RUN])
-    loop.run(warm, (8, 1, 1), str(tmp / "warm"), steps=3, progress=False, log=lambda *a: None)
-    start = _peak_from_here()
-    loop.run(warm, (8, 1, 1), str(tmp / "again"), steps=3, progress=False, log=lambda *a: None)
-    synthetic_growth = _status_mb("VmHWM") - start
-    out, err = build.communicate(timeout=300)
-  finally:
-    if build.poll() is None:
-      build.kill()
-      build.wait()
-  assert build.returncode == 0, err
+  build = subprocess.run([sys.executable, __file__, "build", src, data_dir], capture_output=True,
+                         text=True, env=child_env(), timeout=300)
+  assert build.returncode == 0, build.stderr
   shutil.rmtree(src)  # the array_record copy is all the loaders read; src names it
-  return {"name": f"local_text/{out.split()[-1]}", "data_dir": data_dir, "src": src,
-          "synthetic_growth": synthetic_growth}
+  split = {"name": f"local_text/{build.stdout.split()[-1]}", "data_dir": data_dir, "src": src,
+           "workdir": str(tmp / "wd"), "batches": str(tmp / "batches.npz")}
+  measure = subprocess.run([sys.executable, __file__, "measure", json.dumps(split)],
+                           capture_output=True, text=True, env=child_env(), timeout=600)
+  assert measure.returncode == 0, measure.stderr
+  split.update(json.loads(measure.stdout.splitlines()[-1]))
+  return split
+
+
+def _measure(split: dict) -> dict:
+  """The memory figures, in this fresh process; the batches they saw go to split["batches"]."""
+  from jaxpar.data import local_text, tfds_source  # noqa: F401  (no part of what a reader holds)
+  from jaxpar.train import loop
+  figures, saved = {}, {}
+
+  # Two readers of the split (two processes' halves), three batches each.
+  cfg = jconfig.DataConfig(source="local_text", path=split["src"], data_dir=split["data_dir"],
+                           max_bytes=0)
+  before = _peak_from_here()
+  parts = [jdata.make_batches(cfg, 128, 16, 0, split["workdir"] + "-readers", i, 2)
+           for i in range(2)]
+  saved["readers"] = [np.concatenate([p.next() for p in parts]) for _ in range(3)]
+  figures["readers_growth"] = _status_mb("VmHWM") - before
+  for p in parts:
+    p.close()
+
+  # Growth against growth: a second synthetic run and the large run both start from the memory
+  # in use and load their (same) program from the compilation cache.
+  quiet = lambda *args: None  # noqa: E731
+  synthetic = jconfig.load(None, ["data.source=synthetic", *RUN])
+  loop.run(synthetic, (8, 1, 1), split["workdir"] + "-warm", steps=3, progress=False, log=quiet)
+  start = _peak_from_here()
+  loop.run(synthetic, (8, 1, 1), split["workdir"] + "-again", steps=3, progress=False, log=quiet)
+  figures["synthetic_growth"] = _status_mb("VmHWM") - start
+  cfg = jconfig.load(None, ["data.source=tfds", f"data.name={split['name']}",
+                            f"data.data_dir={split['data_dir']}", *RUN])
+  recorder = _Recorder(jdata.make_loader)
+  jdata.make_loader = recorder
+  start = _peak_from_here()
+  t0 = time.perf_counter()
+  figures["steps"] = loop.run(cfg, (8, 1, 1), split["workdir"], steps=3, progress=False,
+                              log=quiet).steps
+  figures["seconds"] = time.perf_counter() - t0
+  figures["train_growth"] = _status_mb("VmHWM") - start
+  saved["trained"] = np.stack(recorder.batches)
+  np.savez(split["batches"], **saved)
+  return figures
 
 
 def _peak_from_here() -> float:
@@ -123,56 +153,52 @@ class _Recorder:
 
 
 def test_local_text_source_reads_the_large_split_lazily(large_split, tmp_path):
-  # Imported before the count: TFDS's and grain's modules are no part of what a reader holds.
-  from jaxpar.data import local_text, tfds_source  # noqa: F401
-  cfg = jconfig.DataConfig(source="local_text", path=large_split["src"],
-                           data_dir=large_split["data_dir"], max_bytes=0)
-  before = _peak_from_here()
-  parts = [jdata.make_batches(cfg, 128, 16, 0, str(tmp_path), i, 2) for i in range(2)]
-  got = [np.concatenate([p.next() for p in parts]) for _ in range(3)]
-  growth = _status_mb("VmHWM") - before
+  growth = large_split["readers_growth"]
   print(f"local_text, 2 processes, 3 batches: peak RSS growth {growth:.0f} MB")
   assert growth < TWO_READERS_MAX_MB
+  cfg = jconfig.DataConfig(source="local_text", path=large_split["src"],
+                           data_dir=large_split["data_dir"], max_bytes=0)
   whole = jdata.make_batches(cfg, 128, 16, 0, str(tmp_path), prefetch=0)
-  np.testing.assert_array_equal(got, [whole.next() for _ in range(3)])
+  np.testing.assert_array_equal(np.load(large_split["batches"])["readers"],
+                                [whole.next() for _ in range(3)])
+  second = jdata.make_batches(cfg, 128, 16, 0, str(tmp_path), 1, 2)
+  for _ in range(3):
+    second.next()
   resumed = jdata.make_batches(cfg, 128, 16, 0, str(tmp_path), 1, 2)
-  resumed.restore(parts[1].state())
-  np.testing.assert_array_equal(resumed.next(), parts[1].next())
-  for it in (*parts, whole, resumed):
+  resumed.restore(second.state())
+  np.testing.assert_array_equal(resumed.next(), second.next())
+  for it in (whole, second, resumed):
     it.close()
 
 
-def test_large_split_trains_in_bounded_memory_and_resumes(large_split, tmp_path, monkeypatch):
+def test_large_split_trains_in_bounded_memory_and_resumes(large_split):
   from jaxpar.train import checkpoint as jckpt
-  from jaxpar.train import loop
   cfg = jconfig.load(None, ["data.source=tfds", f"data.name={large_split['name']}",
                             f"data.data_dir={large_split['data_dir']}", *RUN])
-  recorder = _Recorder(jdata.make_loader)
-  monkeypatch.setattr(jdata, "make_loader", recorder)
-  workdir, quiet = str(tmp_path / "wd"), lambda *args: None
-
-  # Growth against growth: both runs start from the memory in use and load the same program.
-  start = _peak_from_here()
-  t0 = time.perf_counter()
-  assert loop.run(cfg, (8, 1, 1), workdir, steps=3, progress=False, log=quiet).steps == 3
-  seconds = time.perf_counter() - t0
-  growth = _status_mb("VmHWM") - start - large_split["synthetic_growth"]
-  print(f"3 steps on a {SPLIT_BYTES / 1e6:.0f} MB split: {seconds:.1f} s, peak RSS growth {growth:.0f} "
-        f"MB above the same run's on synthetic data ({large_split['synthetic_growth']:.0f} MB)")
+  synthetic = large_split["synthetic_growth"]
+  growth = large_split["train_growth"] - synthetic
+  print(f"3 steps on a {SPLIT_BYTES / 1e6:.0f} MB split: {large_split['seconds']:.1f} s, peak RSS "
+        f"growth {growth:.0f} MB above the same run's on synthetic data ({synthetic:.0f} MB)")
+  assert large_split["steps"] == 3
   assert growth < MAX_GROWTH_MB
-  assert [b.shape for b in recorder.batches] == [(16, 129)] * 3  # default seq_len 128
+  trained = np.load(large_split["batches"])["trained"]
+  assert trained.shape == (3, 16, 129)  # default seq_len 128
+  workdir = large_split["workdir"]
 
   # The loader state saved with the step-3 checkpoint continues the uninterrupted sequence.
   state = jckpt.read_extra(os.path.join(workdir, "checkpoints"), 3)["data"]
   assert state == {"epoch": 0, "position": 3}
-  resumed, straight = (recorder.make_loader(cfg, "") for _ in range(2))
+  resumed, straight = (jdata.make_loader(cfg, "") for _ in range(2))
   resumed.restore(state)
   expected = [straight.next()["tokens"] for _ in range(5)]
-  np.testing.assert_array_equal(recorder.batches, expected[:3])
+  np.testing.assert_array_equal(trained, expected[:3])
   np.testing.assert_array_equal([resumed.next()["tokens"] for _ in range(2)], expected[3:])
   assert len({row.tobytes() for batch in expected for row in batch}) == 5 * 16  # no row repeated
   resumed.close()
   straight.close()
 
 if __name__ == "__main__":
-  _build(*sys.argv[1:])
+  if sys.argv[1] == "build":
+    _build(*sys.argv[2:])
+  else:
+    print(json.dumps(_measure(json.loads(sys.argv[2]))))
