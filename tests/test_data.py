@@ -1,6 +1,9 @@
 """jaxpar.data: the local_text TFDS builder, packing and the resumable batch iterator (no JAX)."""
 import logging
 import os
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -82,6 +85,37 @@ def test_a_build_reports_itself_in_one_line_and_tfds_stays_quiet(text_dir, tmp_p
     local_text.prepare(str(tmp_path / "data"), str(text_dir), max_bytes=0)  # built: silent
     assert capfd.readouterr() == ("", "")
   assert logging.getLogger("absl").level < logging.ERROR  # the level is given back
+
+
+def test_a_changed_folder_is_rebuilt_and_a_gone_one_keeps_its_build(text_dir, tmp_path, capfd):
+  data = str(tmp_path / "data")
+  first = local_text.read_texts(local_text.prepare(data, str(text_dir), max_bytes=0))
+  capfd.readouterr()
+  (text_dir / "a.txt").write_text("alpha, edited\n", encoding="utf-8")
+  (text_dir / "new.txt").write_text("a new file\n", encoding="utf-8")
+  texts = local_text.read_texts(local_text.prepare(data, str(text_dir), max_bytes=0))
+  err = capfd.readouterr().err
+  assert "changed since local_text/" in err and "rebuilding it" in err, err
+  assert b"alpha, edited\n" in texts and b"a new file\n" in texts and len(texts) == len(first) + 1
+  assert b"alpha line\n" in first and b"alpha line\n" not in texts
+  # The build was renamed into place: nothing else beside it but its lock.
+  assert sorted(os.listdir(tmp_path / "data")) == ["local_text"]
+  assert len(os.listdir(tmp_path / "data" / "local_text")) == 2
+  shutil.rmtree(text_dir)  # the folder is gone: its last build is read, silently
+  assert local_text.read_texts(local_text.prepare(data, str(text_dir), max_bytes=0)) == texts
+  assert capfd.readouterr() == ("", "")
+
+
+def test_processes_sharing_a_data_dir_build_once(text_dir, tmp_path):
+  code = ("import sys; from jaxpar.data import local_text; "
+          "print(len(local_text.read_texts(local_text.prepare(sys.argv[1], sys.argv[2], 0))))")
+  runs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "data"), str(text_dir)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+          for _ in range(2)]
+  outs = [r.communicate(timeout=120) for r in runs]
+  assert [r.returncode for r in runs] == [0, 0], outs
+  assert [out for out, _ in outs] == [f"{len(DOCS)}\n"] * 2
+  assert sum(err.count("jaxpar: built the local_text dataset") for _, err in outs) == 1, outs
 
 
 def test_config_name_depends_on_folder_and_cap(tmp_path):

@@ -21,7 +21,6 @@ so nothing half-written is left.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import re
@@ -36,6 +35,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from jaxpar.config import ConfigError
+from jaxpar.data import stamps
 from jaxpar.logs import quiet_absl
 
 EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
@@ -361,8 +361,7 @@ def build(source: str, data_dir: str, name: str, labels: str | None = None,
         raise
     os.makedirs(os.path.dirname(final), exist_ok=True)
     if stamp:
-      with open(os.path.join(tmp, "local_images", name, STAMP), "w") as f:
-        f.write(stamp)
+      stamps.write(os.path.join(tmp, "local_images", name), stamp)
     if os.path.exists(final):  # --replace: the old one goes only once the new one is complete
       shutil.rmtree(final)
     os.replace(os.path.join(tmp, "local_images", name), final)
@@ -388,7 +387,6 @@ def train_flags(builder, data_dir: str) -> str:
 
 # Built at train time (data.source=images): DATA_DIR/local_images/<folder name>_<hash of its
 # path and size>, rebuilt when the fingerprint of its files no longer matches the one kept beside.
-STAMP = "source.sha256"
 _STAMP_FORMAT = 1  # bump when what a build stores changes
 
 
@@ -427,26 +425,15 @@ def fingerprint(source: str, size: tuple[int, int] | None, validation: float) ->
   """sha256 of what a build reads: every non-hidden file under a folder (path, size, mtime) or
   the .npz's size and mtime, with the build's settings; it changes when the images do."""
   source = source_path(source)
-  h = hashlib.sha256(f"{_STAMP_FORMAT}\0{source}\0{size}\0{validation!r}\n".encode())
-  if os.path.isdir(source):
-    for dirpath, dirnames, filenames in os.walk(source):
-      dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-      for name in sorted(n for n in filenames if not n.startswith(".")):
-        st = os.stat(os.path.join(dirpath, name))
-        rel = os.path.relpath(os.path.join(dirpath, name), source)
-        h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-  else:
-    st = os.stat(source)
-    h.update(f"{st.st_size}\0{st.st_mtime_ns}\n".encode())
-  return h.hexdigest()
-
-
-def _stamp(final: str) -> str:
-  try:
-    with open(os.path.join(final, STAMP)) as f:
-      return f.read()
-  except OSError:
-    return ""
+  header = f"{_STAMP_FORMAT}\0{source}\0{size}\0{validation!r}"
+  if not os.path.isdir(source):
+    return stamps.fingerprint(header, os.path.dirname(source), [os.path.basename(source)])
+  rels = []
+  for dirpath, dirnames, filenames in os.walk(source):
+    dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+    rels += [os.path.relpath(os.path.join(dirpath, n), source)
+             for n in sorted(n for n in filenames if not n.startswith("."))]
+  return stamps.fingerprint(header, source, rels)
 
 
 def prepare(source: str, data_dir: str, size: tuple[int, int] | None = None,
@@ -458,16 +445,11 @@ def prepare(source: str, data_dir: str, size: tuple[int, int] | None = None,
   name = auto_name(source, size)
   final = os.path.join(data_dir, "local_images", name)
   stamp = fingerprint(source, size, validation)
-  os.makedirs(os.path.dirname(final), exist_ok=True)
-  with open(os.path.join(os.path.dirname(final), f".{name}.lock"), "a") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    try:
-      if _stamp(final) == stamp and os.path.isdir(os.path.join(final, str(LocalImages.VERSION))):
-        return name, False
-      if os.path.exists(final):
-        print(f"jaxpar: the images of {source} changed since local_images/{name} was built; "
-              f"rebuilding it", file=sys.stderr)
-      build(source, data_dir, name, size=size, validation=validation, replace=True, stamp=stamp)
-      return name, True
-    finally:
-      fcntl.flock(lock, fcntl.LOCK_UN)
+  with stamps.locked(os.path.dirname(final), name):
+    if stamps.read(final) == stamp and os.path.isdir(os.path.join(final, str(LocalImages.VERSION))):
+      return name, False
+    if os.path.exists(final):
+      print(f"jaxpar: the images of {source} changed since local_images/{name} was built; "
+            f"rebuilding it", file=sys.stderr)
+    build(source, data_dir, name, size=size, validation=validation, replace=True, stamp=stamp)
+    return name, True

@@ -3,15 +3,19 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import sys
 import sysconfig
+import tempfile
 import time
 
 import tensorflow_datasets as tfds
 
+from jaxpar.data import stamps
 from jaxpar.logs import quiet_absl
 
 DEFAULT_MAX_BYTES = 8_000_000
+_STAMP_FORMAT = 1  # bump when what a build stores changes
 VALIDATION_EVERY = 50  # every 50th accepted file goes to `validation`
 # Installed packages live under the stdlib folder on many installs; they vary between machines.
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -147,32 +151,55 @@ class LocalText(tfds.core.GeneratorBasedBuilder):
       yield rel, {"text": _truncate(data, n) if n < len(data) else data}
 
 
-def prepare(data_dir: str, path: str = "", max_bytes: int = DEFAULT_MAX_BYTES) -> LocalText:
-  """The builder for (path, max_bytes) under data_dir, built on first use and reused after.
+def fingerprint(cfg: LocalTextConfig) -> str:
+  """What a build of `cfg` reads: every candidate file's path, size and mtime (`stamps`)."""
+  header = f"local_text {_STAMP_FORMAT}\0{cfg.name}"
+  return stamps.fingerprint(header, cfg.root, _candidates(cfg.root, cfg.only_py))
 
-  TFDS's warnings about a builder config of our own and a folder not yet built are held back;
-  a build reports itself in one line on stderr.
+
+def prepare(data_dir: str, path: str = "", max_bytes: int = DEFAULT_MAX_BYTES) -> LocalText:
+  """The builder for (path, max_bytes) under data_dir: built on first use, reused while the
+  folder's files are unchanged (`fingerprint`), rebuilt when they change.
+
+  Processes sharing data_dir take turns under a file lock: the first builds, the others find
+  it built. A build happens in a temporary folder renamed into place with its stamp inside, so
+  a stopped build leaves nothing half-written. A folder that is gone leaves its last build in
+  use. TFDS's warnings are held back; a build reports itself in one line on stderr.
   """
-  with quiet_absl():
-    builder = LocalText(path=path, max_bytes=max_bytes, data_dir=data_dir)
-    if builder.is_prepared():
+  cfg = LocalTextConfig(path=path, max_bytes=max_bytes)
+  final = os.path.join(data_dir, "local_text", cfg.name)
+  with stamps.locked(os.path.dirname(final), cfg.name):
+    with quiet_absl():
+      builder = LocalText(config=cfg, data_dir=data_dir)
+      have = builder.is_prepared()
+    if have and not os.path.isdir(cfg.root):
       return builder
-    tfds.disable_progress_bar()  # one build of a few seconds; its bars would bury the run's own
+    stamp = fingerprint(cfg) if os.path.isdir(cfg.root) else ""
+    if have and stamps.read(final) == stamp:
+      return builder
+    if have:
+      print(f"jaxpar: the files under {cfg.root} changed since local_text/{cfg.name} was "
+            f"built; rebuilding it", file=sys.stderr)
     t0 = time.perf_counter()
+    tmp = tempfile.mkdtemp(prefix=f".local_text-{cfg.name}-", dir=data_dir)
     try:
-      builder.download_and_prepare(file_format="array_record")
-    except FileExistsError:
-      # Another process sharing data_dir finished the same build first; its copy is identical.
-      builder = LocalText(path=path, max_bytes=max_bytes, data_dir=data_dir)
-      if not builder.is_prepared():
-        raise
-      return builder
+      with quiet_absl():
+        tfds.disable_progress_bar()  # a build of a few seconds; its bars would bury the run's own
+        LocalText(config=cfg, data_dir=tmp).download_and_prepare(file_format="array_record")
+      stamps.write(os.path.join(tmp, "local_text", cfg.name), stamp)
+      if os.path.exists(final):  # the old build goes only once the new one is complete
+        shutil.rmtree(final)
+      os.replace(os.path.join(tmp, "local_text", cfg.name), final)
+    finally:
+      shutil.rmtree(tmp, ignore_errors=True)
+    with quiet_absl():
+      builder = LocalText(config=cfg, data_dir=data_dir)
   splits = builder.info.splits
   n = {s: splits[s].num_examples for s in ("train", "validation") if s in splits}
   counts = " and ".join(f"{k:,} {s}" for s, k in n.items())
-  print(f"jaxpar: built the local_text dataset ({builder.builder_config.description}: {counts} "
+  print(f"jaxpar: built the local_text dataset ({cfg.description}: {counts} "
         f"file{'s' if sum(n.values()) != 1 else ''}) in {time.perf_counter() - t0:.1f} s under "
-        f"{builder.data_dir}; later runs reuse it", file=sys.stderr)
+        f"{builder.data_dir}; later runs reuse it while the files are unchanged", file=sys.stderr)
   return builder
 
 
