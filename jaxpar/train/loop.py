@@ -151,7 +151,7 @@ class _Run:
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
       self.watchdog.at(self.start, "compiling the step", slow=True)
       try:
-        with jmetrics.compile_watch() as self.compile_info, self.watchdog:
+        with jmetrics.compile_watch(this_thread=True) as self.compile_info, self.watchdog:
           if start is not None and key and executables.stored(store, key):
             # Loading a stored step needs no tracing and leaves the GIL mostly free: the
             # checkpoint is read beside it.

@@ -479,7 +479,7 @@ class Trainer:
         rate = optim.learning_rate(new_opt)
       if ok is not None:
         new_opt = optim.keep_unless(ok, new_opt, opt)
-    if self.frozen is not None:  # bit-identical: p + 0 would turn -0.0 into +0.0
+    if self.frozen is not None:  # the old leaves themselves, not p + 0 (XLA folds it today)
       params = jax.tree_util.tree_map(lambda new, old, f: old if f else new, params,
                                       state["params"], self.frozen)
     # The schedule's count moves with the step, skipped steps included (optim.keep_unless), so
