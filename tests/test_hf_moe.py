@@ -93,6 +93,19 @@ def test_logits_match_transformers(folders, name, layout):
   assert loss == pytest.approx(float(ce), rel=RTOL)
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "qwen3-moe"])
+def test_a_folder_with_fused_experts_loads_with_the_same_logits(folders, tmp_path, name):
+  """transformers >= 5 keeps a layer's experts in two tensors (gate_up_proj, down_proj) and
+  writes them so with save_original_format=False: such a folder gives the same logits."""
+  m = transformers.AutoModelForCausalLM.from_pretrained(folders[name], dtype=torch.float32)
+  m.save_pretrained(tmp_path, save_original_format=False)
+  from safetensors import safe_open
+  with safe_open(str(tmp_path / "model.safetensors"), "np") as f:
+    assert "model.layers.0.mlp.experts.gate_up_proj" in f.keys()
+  logits, _ = jaxpar_run(str(tmp_path), (1, 1, 1), ["train.moe_aux_weight=0", "train.moe_z_weight=0"])
+  assert rel(logits, hf_logits(folders[name], tokens()[:, :-1])) < RTOL
+
+
 def test_config_keys(folders):
   """What each folder's config.json becomes in jaxpar."""
   keys = {name: hf.model_overrides(folders[name]) for name in MODELS}

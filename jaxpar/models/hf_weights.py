@@ -60,17 +60,27 @@ def _gpt2_names(mc) -> dict[str, tuple[str, Callable]]:
 # Where each family keeps its mixture: (block, router, expert names for gate, up, down).
 MIXTRAL_MOE = ("block_sparse_moe.", "gate", ("w1", "w3", "w2"))  # w1 gate, w3 up, w2 down
 QWEN_MOE = ("mlp.", "gate", ("gate_proj", "up_proj", "down_proj"))
+# A folder saved by transformers >= 5 with save_original_format=False, any of the three families:
+# one (E, 2F, D) gate_up_proj (gate rows first) and one (E, D, F) down_proj per layer.
+FUSED_MOE = ("mlp.", "gate", None)
 
 
 def _moe_names(mc, h: str, layout) -> dict[str, tuple[str, Callable]]:
   """The mixture's tensors of one layer prefix `h`: router (E, D) -> (D, E), experts (F, D) or
   (D, F) -> (D, F) or (F, D) (`layout`: MIXTRAL_MOE or QWEN_MOE)."""
-  same, t = (lambda x: x), np.transpose
-  block, router, (gate, up, down) = layout
-  e = h + block + "experts.{e}."
-  names = {"layers/router": (h + block + router + ".weight", t),
-           "layers/e_gate": (e + gate + ".weight", t), "layers/e_up": (e + up + ".weight", t),
-           "layers/e_down": (e + down + ".weight", t)}
+  t = np.transpose
+  block, router, experts = layout
+  names = {"layers/router": (h + block + router + ".weight", t)}
+  if experts is None:  # FUSED_MOE: every expert in one tensor, no "{e}" to stack over
+    fused, each = h + block + "experts.", lambda x: x.transpose(0, 2, 1)
+    names.update({"layers/e_gate": (fused + "gate_up_proj", lambda x: each(x[:, :x.shape[1] // 2])),
+                  "layers/e_up": (fused + "gate_up_proj", lambda x: each(x[:, x.shape[1] // 2:])),
+                  "layers/e_down": (fused + "down_proj", each)})
+  else:
+    gate, up, down = experts
+    e = h + block + "experts.{e}."
+    names.update({"layers/e_gate": (e + gate + ".weight", t), "layers/e_up": (e + up + ".weight", t),
+                  "layers/e_down": (e + down + ".weight", t)})
   if mc.shared_experts:  # Qwen2-MoE's: one dense SwiGLU MLP and its sigmoid gate, Linear(D, 1)
     s = h + "mlp.shared_expert."
     names.update({"layers/s_gate": (s + "gate_proj.weight", t),
@@ -157,15 +167,19 @@ def read_param(folder: Folder, path: str, mc, want: tuple[int, ...],
   return x
 
 
-def moe_layout(folder: str) -> tuple:
-  """Where the folder's family keeps its experts: Mixtral's block_sparse_moe or Qwen's mlp."""
-  arch = (_read_json(os.path.join(folder, "config.json")).get("architectures") or [None])[0]
+def moe_layout(folder: Folder) -> tuple:
+  """Where the folder keeps its experts: fused (FUSED_MOE), else by family, Mixtral's
+  block_sparse_moe or Qwen's mlp."""
+  if any(name.endswith(".experts.gate_up_proj") for name in folder.files):
+    return FUSED_MOE
+  arch = (_read_json(os.path.join(folder.folder, "config.json")).get("architectures") or [None])[0]
   return MIXTRAL_MOE if arch == "MixtralForCausalLM" else QWEN_MOE
 
 
 def load_params(folder: str, mc, abstract: Any, shardings: Any) -> Any:
   """The folder's parameters as jaxpar's tree, each put onto its sharding as soon as it is read."""
-  src, layout = Folder(folder), moe_layout(folder)
+  src = Folder(folder)
+  layout = moe_layout(src)
   table = names(mc, layout)
   have = {path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(abstract)}
   for gap in (sorted(set(table) - have), sorted(have - set(table))):  # both ways: nothing left
