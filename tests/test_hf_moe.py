@@ -93,6 +93,8 @@ def test_logits_match_transformers(folders, name, layout):
   assert loss == pytest.approx(float(ce), rel=RTOL)
 
 
+@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
+                    reason="transformers < 5 writes no fused experts")
 @pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "qwen3-moe"])
 def test_a_folder_with_fused_experts_loads_with_the_same_logits(folders, tmp_path, name):
   """transformers >= 5 keeps a layer's experts in two tensors (gate_up_proj, down_proj) and
