@@ -1,7 +1,8 @@
 """Mixture of experts (models/moe.py, parallel/expert.py): the dropless MLP against a plain-JAX
 reference, capacity mode against dropless, every expert-parallel layout against one device
-(losses and first-step gradients, 1e-5 relative in float32), the compiled step's all-to-alls, and
-bad input as one sentence.
+(losses and first-step gradients, 1e-5 relative in float32; under remat full and dots_saveable,
+and under the GPipe, 1F1B and circular schedules, one with a context axis), the compiled step's
+all-to-alls, and bad input as one sentence.
 
 Tiny shapes: 2 layers, d_model 32, 8 experts, top-2, one shared expert, sequence 16.
 """
@@ -207,16 +208,18 @@ def test_grouped_matmul_temporaries_do_not_grow_with_the_experts():
 # -- expert parallelism against one device --------------------------------------------------------
 
 def train(cfg, shape, data):
-  """Per-step losses, the last step's metrics and the first step's gradients (host numpy)."""
+  """Per-step losses, the last step's metrics and the first step's gradients (host numpy, in the
+  model's layer order)."""
   n = int(np.prod(shape))
   jmesh.check(shape, cfg, n)
   t = Trainer(cfg, jmesh.make(shape, jax.devices()[:n]), jmodel.gpt(cfg), expose_grads=True)
   state = t.init(cfg.train.seed)
   losses, grads = [], None
+  back = None if t.layer_order is None else np.argsort(t.layer_order)  # circular: stage order
   for b in data:
     state, m = t.step(state, {"tokens": jnp.asarray(b)})
     losses.append(float(m["loss"]))
-    grads = jax.device_get(m["grads"]) if grads is None else grads
+    grads = jax.device_get(t._reorder(m["grads"], back)) if grads is None else grads
   return np.array(losses), {k: float(v) for k, v in m.items() if k != "grads"}, grads
 
 
@@ -233,18 +236,21 @@ def references():
   return get
 
 
-# (kind, mesh, ZeRO stage): experts split alone, with tensor parallelism inside each expert and
-# ZeRO-3 (the other weights gathered, the experts owned), and over data x model x context with
-# ZeRO-2 (ZeRO-1 is the pipeline's test below)
-EP_LAYOUTS = [("gpt", (8, 1, 1), 0), ("llama", (4, 2, 1), 3), ("gpt", (2, 2, 1, 2), 2)]
+# (kind, mesh, ZeRO stage, remat): experts split alone under full remat (the layer recomputed,
+# exchange included, against the reference's kept moe.SAVED), with tensor parallelism inside each
+# expert, ZeRO-3 (the other weights gathered, the experts owned) and dots_saveable, and over
+# data x model x context with ZeRO-2 (ZeRO-1 is the pipeline's test below)
+EP_LAYOUTS = [("gpt", (8, 1, 1), 0, "full"), ("llama", (4, 2, 1), 3, "dots_saveable"),
+              ("gpt", (2, 2, 1, 2), 2, "none")]
 
 
-@pytest.mark.parametrize("kind,shape,stage", EP_LAYOUTS,
-                         ids=[f"{k}-{jmesh.spec_str(s)}-zero{z}" for k, s, z in EP_LAYOUTS])
-def test_expert_parallel_layout_matches_one_device(references, kind, shape, stage):
+@pytest.mark.parametrize("kind,shape,stage,remat", EP_LAYOUTS,
+                         ids=[f"{k}-{jmesh.spec_str(s)}-zero{z}-remat_{r}"
+                              for k, s, z, r in EP_LAYOUTS])
+def test_expert_parallel_layout_matches_one_device(references, kind, shape, stage, remat):
   data, (ref_losses, ref_metrics, ref_grads) = references(kind)
-  losses, metrics, grads = train(make_cfg(f"model.kind={kind}", f"parallel.zero_stage={stage}"),
-                                 shape, data)
+  losses, metrics, grads = train(make_cfg(f"model.kind={kind}", f"parallel.zero_stage={stage}",
+                                          f"parallel.remat={remat}"), shape, data)
   np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
   for name in ("lm_loss", "moe_aux_loss", "moe_z_loss", "moe_max_load"):
     np.testing.assert_allclose(metrics[name], ref_metrics[name], rtol=RTOL, err_msg=name)
@@ -286,17 +292,25 @@ def in_microbatch_order(batch, d, M):
   return batch[np.array(rows)]
 
 
-# (kind, mesh, schedule, ZeRO stage): experts split over data under GPipe with ZeRO-1, and under
-# 1F1B with tensor parallelism inside each expert (3 axes > 1) and ZeRO-3
-PIPE_LAYOUTS = [("gpt", (2, 1, 2), "gpipe", 1), ("llama", (2, 2, 2), "1f1b", 3)]
+# (kind, mesh, schedule, ZeRO stage, more keys): experts split over data under GPipe with ZeRO-1;
+# under 1F1B with tensor parallelism inside each expert (3 axes > 1) and ZeRO-3; under the
+# circular schedule (4 layers, 2 virtual stages: the router's losses summed over chunks, the
+# stack in stage order) with full remat; and under 1F1B with a context axis (4 axes, attention
+# all-gathered in the stages, the router's statistics over data and context)
+CIRCULAR = ["model.n_layers=4", "parallel.virtual_stages=2", "parallel.remat=full"]
+PIPE_LAYOUTS = [("gpt", (2, 1, 2), "gpipe", 1, []), ("llama", (2, 2, 2), "1f1b", 3, []),
+                ("gpt", (2, 1, 2), "circular", 1, CIRCULAR), ("llama", (2, 1, 2, 2), "1f1b", 1, [])]
 
 
-@pytest.mark.parametrize("kind,shape,schedule,stage", PIPE_LAYOUTS,
-                         ids=[f"{k}-{jmesh.spec_str(s)}-{c}-zero{z}" for k, s, c, z in PIPE_LAYOUTS])
-def test_pipeline_with_experts_split_matches_one_device(kind, shape, schedule, stage):
+@pytest.mark.parametrize("kind,shape,schedule,stage,extra", PIPE_LAYOUTS,
+                         ids=[f"{k}-{jmesh.spec_str(s)}-{c}-zero{z}"
+                              + ("-remat_full" if "parallel.remat=full" in x else "")
+                              for k, s, c, z, x in PIPE_LAYOUTS])
+def test_pipeline_with_experts_split_matches_one_device(kind, shape, schedule, stage, extra):
   M = 2
-  sets = [f"model.kind={kind}", f"parallel.microbatches={M}"]
-  cfg = make_cfg(*sets, f"parallel.schedule={schedule}", f"parallel.zero_stage={stage}")
+  sets = [f"model.kind={kind}", f"parallel.microbatches={M}",
+          *[e for e in extra if not e.startswith("parallel.")]]
+  cfg = make_cfg(*sets, f"parallel.schedule={schedule}", f"parallel.zero_stage={stage}", *extra)
   data = batches(cfg, 2)
   losses, metrics, grads = train(cfg, shape, data)
   ref_cfg = make_cfg(*sets, f"train.grad_accum={M}")
