@@ -35,6 +35,10 @@ class ModelConfig:
   d_model: int = 128  # width of the residual stream
   n_heads: int = 4  # attention heads; split over the model axis, so divisible by it
   n_kv_heads: int = 0  # 0 = n_heads (multi-head attention); fewer = grouped-query attention
+  # gpt, llama: each head's width; 0 = d_model / n_heads. Set, the q, k, v projections are
+  # n_heads x head_dim wide whatever d_model is (Qwen3's decoupled head_dim, e.g. 128 at d_model
+  # 1024 with 16 heads)
+  head_dim: int = 0
   d_ff: int = 512  # hidden units of each block's MLP; divisible by the model axis
   vocab_size: int = 256  # byte-level tokens
   seq_len: int = 128  # tokens per training sequence (the context window)
@@ -217,7 +221,7 @@ _POSITIVE = ("model.n_layers", "model.d_model", "model.n_heads", "model.d_ff", "
              "model.moe_every")
 _BELOW_ONE = ("train.b1", "train.b2", "model.dropout")  # in [0, 1): Adam's betas, dropout
 _FRACTION = ("train.min_lr_ratio",)  # in [0, 1]: the final learning rate, a fraction of the peak
-_NON_NEGATIVE = ("model.n_kv_heads", "model.max_positions", "parallel.microbatches", "train.warmup_steps", "train.weight_decay", "train.clip_norm",
+_NON_NEGATIVE = ("model.n_kv_heads", "model.head_dim", "model.max_positions", "parallel.microbatches", "train.warmup_steps", "train.weight_decay", "train.clip_norm",
                  "checkpoint.every", "data.max_bytes", "train.lr", "data.workers",
                  "train.eval_every", "train.eval_steps", "train.max_rollbacks",
                  "train.stall_timeout", "train.first_step_timeout", "train.peer_timeout",

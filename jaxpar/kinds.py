@@ -17,7 +17,7 @@ from jaxpar.config import Config, ConfigError, ModelConfig
 
 def _decoder_problems(m: ModelConfig) -> list[str]:
   problems = []
-  if m.d_model % m.n_heads:
+  if m.d_model % m.n_heads and not m.head_dim:
     problems.append(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
   kv = m.n_kv_heads or m.n_heads
   if m.n_heads % kv:
@@ -30,9 +30,10 @@ def _decoder_problems(m: ModelConfig) -> list[str]:
 
 def _llama_problems(m: ModelConfig) -> list[str]:
   problems = _decoder_problems(m)
-  if not problems and (m.d_model // m.n_heads) % 2:
-    problems.append(f"model.d_model/model.n_heads={m.d_model // m.n_heads} must be even: "
-                    f"rotary embeddings turn pairs of dimensions")
+  K, says = (m.head_dim, "model.head_dim") if m.head_dim else (m.d_model // m.n_heads,
+                                                                  "model.d_model/model.n_heads")
+  if not problems and K % 2:
+    problems.append(f"{says}={K} must be even: rotary embeddings turn pairs of dimensions")
   return problems
 
 

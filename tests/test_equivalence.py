@@ -111,10 +111,14 @@ def test_grad_accum_4_2x2x1_zero2_vs_large_batch_1x1x1(reference):
 
 
 def test_grouped_query_attention_2x4x1_zero3_vs_1x1x1():
-  cfg = make_cfg("model.n_kv_heads=4")
+  """Grouped-query attention whose heads are twice d_model / n_heads wide (model.head_dim=16):
+  the q/k/v matmul joined by kv head and split over `model` with a width that is not d_model."""
+  keys = ("model.n_kv_heads=4", "model.head_dim=16")
+  cfg = make_cfg(*keys)
   data = batches(cfg, 2)
   ref, _, ref_grads = train(cfg, (1, 1, 1), data)
-  got, _, grads = train(make_cfg("model.n_kv_heads=4", "parallel.zero_stage=3"), (2, 4, 1), data)
+  assert ref_grads["layers"]["wq"].shape == (2, 64, 128)
+  got, _, grads = train(make_cfg(*keys, "parallel.zero_stage=3"), (2, 4, 1), data)
   np.testing.assert_allclose(got, ref, rtol=RTOL)
   assert_trees_close(grads, ref_grads, "gradient")
 

@@ -1,6 +1,7 @@
 """Hugging Face interop for the Llama family beyond Llama: the mixtures Mixtral, Qwen2-MoE (q/k/v
-biases, a shared expert with its sigmoid gate, un-renormalised top-k) and Qwen3-MoE (q/k norms),
-and the dense Mistral (a sliding window), Qwen2 and Qwen3. Random-weight folders made by
+biases, a shared expert with its sigmoid gate, un-renormalised top-k) and Qwen3-MoE (q/k norms,
+heads twice d_model / n_heads wide: Qwen3's own head_dim), and the dense Mistral (a sliding
+window), Qwen2 and Qwen3 (heads half d_model / n_heads wide). Random-weight folders made by
 `transformers` (fp32, 2 layers, hidden 32, 4-8 experts, top-2) load into jaxpar with the same
 logits (1e-5 relative) on one device and with the experts split over data and tensor parallelism
 (4x2x1), export back to folders `from_pretrained` loads with no missing or unexpected keys and
@@ -19,7 +20,7 @@ from test_hf import (B, ROOT, T, V, _randomise, exported_logits, hf_logits, jaxp
 from jaxpar import config
 from jaxpar.config import ConfigError
 from jaxpar.interop import generate, hf, hf_llama
-from jaxpar.models import decoder
+from jaxpar.models import decoder, llama
 from jaxpar.models import registry as jmodel
 from jaxpar.parallel import mesh as jmesh
 from jaxpar.train import checkpoint
@@ -36,12 +37,12 @@ MODELS = {  # name: (config class, model class, its keys, torch seed)
     "qwen2-moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
                   dict(QWEN_MOE, shared_expert_intermediate_size=32, norm_topk_prob=False), 4),
     "qwen3-moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
-                  dict(QWEN_MOE, head_dim=8, norm_topk_prob=True), 5),
+                  dict(QWEN_MOE, head_dim=16, norm_topk_prob=True), 5),  # heads wider
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
                 dict(head_dim=8, sliding_window=T), 6),  # a window as long as the sequence
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}, 7),
     "qwen3-tied": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
-                   dict(head_dim=8, tie_word_embeddings=True), 8),
+                   dict(head_dim=4, tie_word_embeddings=True), 8),  # and narrower than D/H
 }
 
 
@@ -117,6 +118,32 @@ def test_config_keys(folders):
           "router_softmax": "before_topk"}.items() <= keys["qwen2-moe"].items()
   assert keys["qwen3-moe"]["qk_norm"] and keys["qwen3-moe"]["router_softmax"] == "after_topk"
   assert keys["mistral"]["max_positions"] == T and keys["qwen3-tied"]["tie_embeddings"]
+  assert keys["qwen3-moe"]["head_dim"] == 16 and keys["qwen3-tied"]["head_dim"] == 4
+  assert "head_dim" not in keys["mistral"]  # 8 = hidden / heads: the default
+
+
+@pytest.mark.parametrize("sets,says", [
+    (["model.head_dim=-8"], "model.head_dim=-8 must not be negative"),
+    (["model.head_dim=5"], "model.head_dim=5 must be even: rotary embeddings turn pairs"),
+    (["model.n_heads=3", "model.n_kv_heads=3"],
+     "model.d_model=32 is not divisible by model.n_heads=3"),
+])
+def test_bad_head_dims_are_one_sentence(sets, says):
+  with pytest.raises(ConfigError) as e:
+    jmodel.build_model(config.load(None, ["model.kind=llama", "model.d_model=32"] + sets))
+  assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_decoupled_head_dim_needs_no_divisible_width():
+  """With model.head_dim set, d_model need not divide by n_heads (3 heads of 16 at width 32): the
+  parameters' shapes and count follow H x K, not d_model."""
+  cfg = config.load(None, ["model.kind=llama", "model.d_model=32", "model.n_heads=3",
+                           "model.n_kv_heads=1", "model.head_dim=16", "model.n_layers=1"])
+  model = jmodel.decoder(cfg)
+  shapes = {k: v.shape for k, v in model.abstract["layers"].items()}
+  assert shapes["wq"] == (1, 32, 48) and shapes["wk"] == (1, 32, 16) and shapes["wo"] == (1, 48, 32)
+  n = sum(int(np.prod(v.shape)) for k, v in model.abstract["layers"].items()) + 32  # final norm
+  assert decoder.sizes(cfg.model)[-1] == 16 and llama.n_params_nonembedding(cfg.model) == n
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "qwen3-moe", "mistral", "qwen2"])
@@ -151,9 +178,10 @@ def test_gateless_shared_experts_export_as_qwen2_moe(tmp_path):
   assert rel(got, want) < RTOL
 
 
-@pytest.mark.parametrize("mesh", [(1, 1, 1), (2, 2, 1)])
-def test_greedy_decoding_with_the_cache_matches_transformers(folders, mesh):
-  folder = folders["qwen2-moe"]
+@pytest.mark.parametrize("name,mesh", [("qwen2-moe", (1, 1, 1)), ("qwen2-moe", (2, 2, 1)),
+                                       ("qwen3-moe", (2, 2, 1))])  # its cache's heads 16 wide
+def test_greedy_decoding_with_the_cache_matches_transformers(folders, name, mesh):
+  folder = folders[name]
   cfg = config.load(None, [f"model.init_from={folder}", f"model.seq_len={T}",
                            f"train.batch_size={B}", "precision.compute_dtype=float32"],
                     base=hf.model_overrides)
@@ -175,7 +203,6 @@ def test_greedy_decoding_with_the_cache_matches_transformers(folders, mesh):
     ("qwen3-moe", dict(mlp_only_layers=[1]), "mlp_only_layers=[1] is not supported"),
     ("qwen2-moe", dict(shared_expert_intermediate_size=24),
      "shared_expert_intermediate_size=24 is not supported (jaxpar needs a multiple of"),
-    ("qwen3-moe", dict(head_dim=16), "head_dim=16 is not supported"),
     ("qwen3-tied", dict(attention_bias=True), "attention_bias=True is not supported"),
 ])
 def test_unsupported_configs_are_one_sentence(tmp_path, name, changes, says):

@@ -165,6 +165,10 @@ def _export(directory: str, step: int, out_dir: str, cfg) -> dict:
   if mc.kind == "gpt" and mc.n_experts:
     raise ConfigError("a gpt-kind mixture of experts has no Hugging Face layout; llama-kind "
                       "mixtures export as Mixtral, Qwen2-MoE or Qwen3-MoE")
+  if mc.kind == "gpt" and mc.head_dim and mc.head_dim != mc.d_model // mc.n_heads:
+    raise ConfigError(f"a gpt-kind model with model.head_dim={mc.head_dim} has no Hugging Face "
+                      f"layout (GPT-2's heads are d_model / n_heads = "
+                      f"{mc.d_model // mc.n_heads} wide); llama-kind ones export as Qwen3")
   stored = checkpoint.stored_params(directory, step)
   tensors = _hf_tensors(mc)
   cache: dict[str, np.ndarray] = {}

@@ -51,8 +51,6 @@ def model_overrides(arch: str, hf: dict, refuse: Callable) -> dict:
   for key in ("attention_bias", "mlp_bias"):  # Llama's and Qwen3's attention_bias biases o_proj
     if hf.get(key):
       refuse(key, hf[key], False)
-  if (hf.get("head_dim") or D // H) != D // H:
-    refuse("head_dim", hf.get("head_dim"), f"hidden_size / num_attention_heads = {D // H}")
   out = {"kind": "llama", "n_layers": hf["num_hidden_layers"], "d_model": D, "n_heads": H,
          "n_kv_heads": hf.get("num_key_value_heads") or H, "d_ff": hf["intermediate_size"],
          "vocab_size": hf["vocab_size"], "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
@@ -60,6 +58,8 @@ def model_overrides(arch: str, hf: dict, refuse: Callable) -> dict:
          "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
          "qkv_bias": arch == QWEN2 or (arch == QWEN2_MOE and hf.get("qkv_bias", True)),
          "qk_norm": arch in (QWEN3, QWEN3_MOE)}
+  if hf.get("head_dim") and hf["head_dim"] != D // H:  # Qwen3's: wider or narrower than D / H
+    out["head_dim"] = hf["head_dim"]
   window = _window(arch, hf)
   if window:
     out["max_positions"] = int(window)
@@ -118,7 +118,7 @@ def architecture_of(mc) -> str:
 
 def hf_config(mc, arch: str) -> dict:
   """config.json's model keys for jaxpar's llama-kind model `mc` written as `arch`."""
-  K = mc.d_model // mc.n_heads
+  K = mc.head_dim or mc.d_model // mc.n_heads
   out = {"architectures": [arch], "model_type": _MODEL_TYPE[arch],
          "num_hidden_layers": mc.n_layers, "hidden_size": mc.d_model,
          "num_attention_heads": mc.n_heads, "num_key_value_heads": mc.n_kv_heads or mc.n_heads,

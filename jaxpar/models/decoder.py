@@ -30,10 +30,15 @@ from jaxpar.parallel.rules import constrain
 
 # -- what both decoders' parameter stacks are built from ------------------------------------------
 
+def head_dim(cfg) -> int:
+  """A ModelConfig's K: model.head_dim, or d_model / n_heads where it is 0."""
+  return cfg.head_dim or cfg.d_model // cfg.n_heads
+
+
 def sizes(cfg) -> tuple[int, int, int, int, int, int]:
   """A ModelConfig's (L, D, F, H, G, K): layers, embed, mlp, heads, kv heads, head dim."""
   H = cfg.n_heads
-  return cfg.n_layers, cfg.d_model, cfg.d_ff, H, cfg.n_kv_heads or H, cfg.d_model // H
+  return cfg.n_layers, cfg.d_model, cfg.d_ff, H, cfg.n_kv_heads or H, head_dim(cfg)
 
 
 def param_maker(rngs, dtype) -> Callable:
@@ -187,8 +192,10 @@ def model_def(cfg, module) -> ModelDef:
     loss, metrics, grads = pipeline_grads(parts, params, micro, sched, ctx, remat, loss_scale,
                                           forward_only, router_weights)
     return (*with_router_losses(loss, metrics, cfg.train), grads)
-  # DESIGN's model FLOPs per token: 6 N_nonembedding + 12 L D T (causal attention counted in full)
-  flops_tok = 6 * module.n_params_nonembedding(mc) + 12 * mc.n_layers * mc.d_model * mc.seq_len
+  # DESIGN's model FLOPs per token: 6 N_nonembedding + 12 L D T (causal attention counted in full;
+  # its D is the heads' width H K, which model.head_dim may set apart from d_model)
+  HK = mc.n_heads * head_dim(mc)
+  flops_tok = 6 * module.n_params_nonembedding(mc) + 12 * mc.n_layers * HK * mc.seq_len
   return ModelDef(init=base.init, loss=loss_, logical=base.logical, abstract=base.abstract,
                   tokens_per_example=mc.seq_len, flops_per_example=flops_tok * mc.seq_len,
                   pipeline=pipeline, takes_rng=rate > 0, seq_split=split_sequence)

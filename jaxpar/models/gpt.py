@@ -198,7 +198,7 @@ def _qkv(p: dict, x: jax.Array, cfg: ModelConfig, manual) -> tuple[jax.Array, ..
   """Pre-norm and projections. x (B, T, D) -> q (B, T, H, K), k and v (B, T, G, K)."""
   B, T, D = x.shape
   H, G = cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
-  K = D // H
+  K = decoder.head_dim(cfg)
   w = lambda name: p[name].astype(x.dtype)
   h = layer_norm(x, p["ln1_scale"], p["ln1_bias"])  # split along seq under sequence parallel
   if is_split("heads"):
@@ -316,9 +316,10 @@ def n_params_nonembedding(cfg: ModelConfig) -> int:
   """Parameters outside the embeddings and LM head that a token uses (the N of 6N)."""
   D, F, L = cfg.d_model, cfg.d_ff, cfg.n_layers
   G = cfg.n_kv_heads or cfg.n_heads
-  K = D // cfg.n_heads
+  K = decoder.head_dim(cfg)
   mlp = moe.n_params(cfg, glu=False, active=True) if cfg.n_experts else 2 * D * F + F + D
-  per_layer = 2 * D * D + 2 * D * G * K + D + G * K + D + mlp + 4 * D
+  HK = cfg.n_heads * K  # = D unless model.head_dim decouples them
+  per_layer = 2 * D * HK + 2 * D * G * K + HK + G * K + D + mlp + 4 * D
   return L * per_layer + 2 * D
 
 

@@ -95,7 +95,7 @@ def _qkv(p: dict, x: jax.Array, cfg: ModelConfig, manual, positions=None) -> tup
   (B, T, G, K)."""
   B, T, D = x.shape
   H, G = cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
-  K = D // H
+  K = decoder.head_dim(cfg)
   w = lambda name: p[name].astype(x.dtype)
   h = rms_norm(x, p["attn_norm"], cfg.norm_eps)  # split along seq under sequence parallel
   q, k, v = tensor.column_parallel(h, [w("wq"), w("wk"), w("wv")], manual)  # over heads
@@ -177,10 +177,11 @@ def n_params_nonembedding(cfg: ModelConfig) -> int:
   """Parameters outside the embedding and LM head that a token uses (the N of 6N)."""
   D, F, L = cfg.d_model, cfg.d_ff, cfg.n_layers
   G = cfg.n_kv_heads or cfg.n_heads
-  K = D // cfg.n_heads
+  K = decoder.head_dim(cfg)
   mlp = moe.n_params(cfg, glu=True, active=True) if cfg.n_experts else 3 * D * F
-  attn_extra = (D + 2 * G * K) * cfg.qkv_bias + 2 * K * cfg.qk_norm
-  return L * (2 * D * D + 2 * D * G * K + attn_extra + mlp + 2 * D) + D
+  HK = cfg.n_heads * K  # = D unless model.head_dim decouples them
+  attn_extra = (HK + 2 * G * K) * cfg.qkv_bias + 2 * K * cfg.qk_norm
+  return L * (2 * D * HK + 2 * D * G * K + attn_extra + mlp + 2 * D) + D
 
 
 MODULE = Llama

@@ -217,7 +217,7 @@ def estimate(cfg: Config, lay: Layout, facts: ModelFacts, r: Rates,
       sent += 4 * mc.n_layers * (d - 1) / d * d * act * mc.experts_per_token
     if c > 1:  # models/ring.py, per layer of the device's stage: the K/V ring sends (6c - 4) x
       # one device's k chunk; under a pipeline its all-gather form, 6 (c - 1) x
-      kv = act / mc.d_model * (mc.n_kv_heads or mc.n_heads) * (mc.d_model // mc.n_heads) / m
+      kv = act / mc.d_model * (mc.n_kv_heads or mc.n_heads) * (mc.head_dim or mc.d_model // mc.n_heads) / m
       sent += mc.n_layers / p * (6 * (c - 1) if p > 1 else 6 * c - 4) * kv
     if m > 1:  # Megatron: two all-reduces forward and two backward per layer
       sent += 4 * (mc.n_layers / p) * 2 * (m - 1) / m * act
