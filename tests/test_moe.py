@@ -258,6 +258,26 @@ def test_expert_parallel_layout_matches_one_device(references, kind, shape, stag
   assert ref_metrics["moe_aux_loss"] > 0 and ref_metrics["moe_max_load"] >= 1
 
 
+# the accelerators' path (jax.lax.ragged_dot, grouped.RAGGED_DOT_ON_CPU) through whole steps: the
+# experts split alone (two a device, so each matmul has groups to keep apart), and with tensor
+# parallelism inside each under ZeRO-3
+RAGGED_LAYOUTS = [("gpt", (4, 1, 1), 1), ("llama", (4, 2, 1), 3)]
+
+
+@pytest.mark.parametrize("kind,shape,stage", RAGGED_LAYOUTS,
+                         ids=[f"{k}-{jmesh.spec_str(s)}-zero{z}" for k, s, z in RAGGED_LAYOUTS])
+def test_ragged_dot_path_matches_the_tiles_on_one_device(references, monkeypatch, kind, shape,
+                                                         stage):
+  data, (ref_losses, ref_metrics, ref_grads) = references(kind)  # tiles, one device
+  monkeypatch.setattr(grouped, "RAGGED_DOT_ON_CPU", True)
+  monkeypatch.setattr(grouped, "_tiled", None)  # the tiles would fail: the path is ragged_dot's
+  cfg = make_cfg(f"model.kind={kind}", f"parallel.zero_stage={stage}")
+  losses, metrics, grads = train(cfg, shape, data)
+  np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+  np.testing.assert_allclose(metrics["moe_aux_loss"], ref_metrics["moe_aux_loss"], rtol=RTOL)
+  assert_trees_close(grads, ref_grads, "gradient")
+
+
 def expert_shapes(cfg, d, m):
   """The shapes an expert weight of one layer, or of the stack, has gathered over data."""
   E, D, F = cfg.model.n_experts, cfg.model.d_model, moe.width(cfg.model) // m

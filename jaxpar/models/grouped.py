@@ -20,6 +20,16 @@ import jax
 import jax.numpy as jnp
 
 
+# True: `matmul` runs jax.lax.ragged_dot on the CPU as well, the path it takes on accelerators
+# (tests/test_moe.py runs whole expert-parallel steps through it against the tiles)
+RAGGED_DOT_ON_CPU = False
+
+
+def ragged() -> bool:
+  """Whether `matmul` runs jax.lax.ragged_dot (off the CPU) rather than tiles."""
+  return RAGGED_DOT_ON_CPU or jax.default_backend() != "cpu"
+
+
 class Layout(NamedTuple):
   """Where each row goes in the tiled buffer, and each tile's group (`layout`)."""
   dest: jax.Array  # (M,) int32: a row's place among the P padded rows; P for a row past the groups
@@ -39,7 +49,7 @@ def _tile_rows(M: int, G: int) -> int:
 def layout(group_sizes: jax.Array, M: int) -> Layout | None:
   """The tiled layout of M rows sorted by group, group_sizes (G,) of them (the rest are padding);
   None where `matmul` runs ragged_dot (not on the CPU), which needs none."""
-  if jax.default_backend() != "cpu":
+  if ragged():
     return None
   G = group_sizes.shape[0]
   t = _tile_rows(M, G)
@@ -67,7 +77,7 @@ def matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
   """x (M, K) rows sorted by group, w (G, K, N), group_sizes (G,) int32 -> (M, N) in x's dtype:
   row i times its group's w; rows past sum(group_sizes) give zeros (`jax.lax.ragged_dot`'s
   contract). `where`: the rows' `layout`, made once for several matmuls of the same rows."""
-  if jax.default_backend() != "cpu":
+  if ragged():
     return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes)
   where = where if where is not None else layout(group_sizes, x.shape[0])
   w = w.astype(x.dtype)
