@@ -375,8 +375,10 @@ def test_resume_onto_another_expert_split_continues_with_the_same_losses(tmp_pat
 
 # -- the exchange's bytes from the compiled program -----------------------------------------------
 
-@pytest.mark.parametrize("factor,remat", [(0.0, "none"), (1.0, "none"), (0.0, "dots_saveable")],
-                         ids=["dropless", "capacity-1", "dropless-remat_dots_saveable"])
+@pytest.mark.parametrize("factor,remat", [(0.0, "none"), (1.0, "none"), (0.0, "dots_saveable"),
+                                          (0.0, "offload")],
+                         ids=["dropless", "capacity-1", "dropless-remat_dots_saveable",
+                              "dropless-remat_offload"])
 def test_all_to_all_bytes_per_moe_layer_follow_the_buffer_formula(factor, remat):
   """Per device, per MoE layer and step, the all-to-alls' results (hlo.collective_bytes' unit)
   are 4 buffers of d x S rows of D float32 values (the rows out and back, in the forward and in
@@ -384,8 +386,8 @@ def test_all_to_all_bytes_per_moe_layer_follow_the_buffer_formula(factor, remat)
   and twice the d x El group sizes (int32, recomputed in the backward). S = A, all of a device's
   A = tokens x k routed rows, when dropless (no expert can overflow; XLA:CPU has no ragged
   all-to-all, so the buffers hold d times the routed rows), and S = min(A, ceil(f A / E) x E/d)
-  with capacity factor f (f times the routed rows). parallel.remat=dots_saveable keeps moe.SAVED
-  too (stack.remat_policy), so it runs no exchange again either (6 buffers without)."""
+  with capacity factor f (f times the routed rows). parallel.remat=dots_saveable and offload keep
+  moe.SAVED too (stack.remat_policy), so they run no exchange again either (6 buffers without)."""
   cfg = make_cfg(f"model.capacity_factor={factor}", f"parallel.remat={remat}")
   d, L, D, E, k = 8, cfg.model.n_layers, cfg.model.d_model, cfg.model.n_experts, 2
   t = Trainer(cfg, jmesh.make((d, 1, 1)), jmodel.gpt(cfg))

@@ -52,17 +52,19 @@ def remat_policy(remat: str):
   dots_saveable keeps the weight matmuls' outputs and recomputes the rest (norms, activations,
   attention's score matmuls and softmax, whose (B, H, T, T) buffers dominate at long sequences);
   offload keeps the same outputs, but in host memory (`pinned_host`).
-  dots_saveable keeps a mixture's moe.SAVED as well (its exchanged rows are no dot outputs): else
-  the backward reruns its all-to-alls (6 buffers a layer, not 4) and, 8x1x1, has more
-  temporaries than no remat (1.54 MB against 1.28 MB; 1.27 MB with them kept).
+  dots_saveable and offload keep a mixture's moe.SAVED as well, on the device (its exchanged rows
+  are no dot outputs): else the backward reruns its all-to-alls (6 buffers a layer, not 4) and,
+  8x1x1, has more temporaries than no remat (1.54 MB against 1.28 MB; 1.27 MB with them kept).
   Gathered ZeRO-3 weights are never dot outputs, so every policy re-gathers them in the backward.
   """
   cp = jax.checkpoint_policies
-  dots = cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
-                                    cp.save_only_these_names(*moe.SAVED))
-  return {"full": None, "dots_saveable": dots,
-          "offload": cp.offload_dot_with_no_batch_dims("device", "pinned_host"),
-          }[remat]
+  keep = cp.save_only_these_names(*moe.SAVED)
+  dots = cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable, keep)
+  to_host = cp.offload_dot_with_no_batch_dims("device", "pinned_host")
+  # a mixture's moe.SAVED stays on the device, the dots go to the host
+  offload = lambda prim, *args, **params: keep(prim, *args, **params) or to_host(prim, *args,
+                                                                                 **params)
+  return {"full": None, "dots_saveable": dots, "offload": offload}[remat]
 
 
 def run_layers(layers: dict, x: jax.Array, block: Callable[..., jax.Array],
