@@ -313,18 +313,21 @@ def in_microbatch_order(batch, d, M):
 
 
 # (kind, mesh, schedule, ZeRO stage, more keys): experts split over data under GPipe with ZeRO-1;
-# under 1F1B with tensor parallelism inside each expert (3 axes > 1) and ZeRO-3; under the
+# under 1F1B with tensor parallelism inside each expert (3 axes > 1), ZeRO-3 and dots_saveable
+# (each stage's layers keep moe.SAVED); under the
 # circular schedule (4 layers, 2 virtual stages: the router's losses summed over chunks, the
 # stack in stage order) with full remat; and under 1F1B with a context axis (4 axes, attention
 # all-gathered in the stages, the router's statistics over data and context)
 CIRCULAR = ["model.n_layers=4", "parallel.virtual_stages=2", "parallel.remat=full"]
-PIPE_LAYOUTS = [("gpt", (2, 1, 2), "gpipe", 1, []), ("llama", (2, 2, 2), "1f1b", 3, []),
+PIPE_LAYOUTS = [("gpt", (2, 1, 2), "gpipe", 1, []),
+                ("llama", (2, 2, 2), "1f1b", 3, ["parallel.remat=dots_saveable"]),
                 ("gpt", (2, 1, 2), "circular", 1, CIRCULAR), ("llama", (2, 1, 2, 2), "1f1b", 1, [])]
 
 
 @pytest.mark.parametrize("kind,shape,schedule,stage,extra", PIPE_LAYOUTS,
                          ids=[f"{k}-{jmesh.spec_str(s)}-{c}-zero{z}"
-                              + ("-remat_full" if "parallel.remat=full" in x else "")
+                              + "".join("-remat_" + e.split("=")[1] for e in x
+                                        if e.startswith("parallel.remat="))
                               for k, s, c, z, x in PIPE_LAYOUTS])
 def test_pipeline_with_experts_split_matches_one_device(kind, shape, schedule, stage, extra):
   M = 2
