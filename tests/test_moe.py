@@ -346,6 +346,22 @@ def test_pipeline_with_experts_split_matches_one_device(kind, shape, schedule, s
   assert metrics["loss"] > metrics["lm_loss"]  # the router's losses are in the loss trained
 
 
+def test_grad_accum_with_experts_split_matches_one_device():
+  """train.grad_accum=2 with the experts split 4 ways (ZeRO-2) against one device accumulating
+  the same microbatches: the router's statistics are each microbatch's, over every replica's
+  share of it, as on one device."""
+  M, d = 2, 4
+  cfg = make_cfg(f"train.grad_accum={M}", "parallel.zero_stage=2")
+  data = batches(cfg, 2)
+  losses, metrics, grads = train(cfg, (d, 1, 1), data)
+  ref_losses, ref_metrics, ref_grads = train(make_cfg(f"train.grad_accum={M}"), (1, 1, 1),
+                                             [in_microbatch_order(b, d, M) for b in data])
+  np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+  for name in ("lm_loss", "moe_aux_loss", "moe_z_loss", "moe_max_load"):
+    np.testing.assert_allclose(metrics[name], ref_metrics[name], rtol=RTOL, err_msg=name)
+  assert_trees_close(grads, ref_grads, "gradient")
+
+
 # -- checkpoints across expert splits -------------------------------------------------------------
 
 def test_resume_onto_another_expert_split_continues_with_the_same_losses(tmp_path):
