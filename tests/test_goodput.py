@@ -383,6 +383,47 @@ def test_a_peer_silent_during_a_save_ends_the_process_only_after_the_peer_timeou
                   r"in: saving the checkpoint of step 7\); stopping", err[-1]), err[-1]
 
 
+def test_the_heartbeat_beats_through_jaxs_shutdown_and_is_joined_after_it(monkeypatch):
+  """The heartbeat thread beats while JAX's exit handler shuts the client down (a finished
+  process waiting at the shutdown barrier still beats), and is stopped and joined as soon as
+  that returns: left running, a daemon thread coming back from the client's C++ call while
+  Python finalizes aborts a run that finished well ("FATAL: exception not rethrown", once in a
+  suite's two-process runs)."""
+  from jax._src import distributed as jd
+
+  class Client:
+    def __init__(self):
+      self.beats, self.down = [], False
+
+    def key_value_set(self, key, value, allow_overwrite):
+      if self.down:
+        raise RuntimeError("shut down")
+      self.beats.append((key, value))
+
+  class State:  # jax._src.distributed.State's two members the heartbeat uses
+    def __init__(self, client):
+      self.client, self.beats_during_shutdown = client, None
+
+    def shutdown(self):
+      before = len(self.client.beats)
+      time.sleep(0.3)  # the shutdown barrier: the others are still finishing
+      self.beats_during_shutdown = len(self.client.beats) - before
+      self.client.down, self.client = True, None
+
+  client = Client()
+  state = State(client)
+  monkeypatch.setattr(jd, "global_state", state)
+  monkeypatch.setattr(watchdog, "_BEAT_S", 0.05)
+  monkeypatch.setattr(watchdog, "_heartbeat", None)
+  watchdog.start_heartbeat(3)
+  thread = watchdog._heartbeat
+  time.sleep(0.2)
+  assert thread.is_alive() and client.beats[0] == ("jaxpar/alive/3", "1")
+  jd.global_state.shutdown()  # what jax.distributed.shutdown and JAX's exit handler call
+  assert state.beats_during_shutdown >= 3
+  assert not thread.is_alive() and watchdog._heartbeat is None
+
+
 def test_saves_and_evaluations_wait_the_first_step_limit_and_steps_the_steady_one(monkeypatch):
   # A slow wait (a save, an evaluation) of 1 s is within the first-step limit (900 s) though past
   # train.stall_timeout=0.5; the same wait between steps is not.

@@ -19,14 +19,20 @@ DEFAULT_PEER_TIMEOUT_S = 60.0  # train.peer_timeout = 0: below DEFAULT_HEARTBEAT
 
 
 _heartbeat: threading.Thread | None = None
+_stop_beating = threading.Event()
 
 
 def start_heartbeat(me: int) -> None:
-  """From now to the process's end, a thread bumps this process's counter in the coordination
-  service's store every second (once per process; no-op for one process). It beats whatever the
-  main thread waits in, so a counter that stands still means a stopped or dead process, never one
-  between its watched parts or past its loop (e.g. closing its checkpointer, or at JAX's shutdown
-  barrier, while another still saves). `me`: this process's index."""
+  """From now until JAX shuts the coordination service's client down, a thread bumps this
+  process's counter in its store every second (once per process; no-op for one process). It
+  beats whatever the main thread waits in, so a counter that stands still means a stopped or dead
+  process, never one between its watched parts or past its loop (e.g. closing its checkpointer,
+  or at JAX's shutdown barrier, while another still saves). `me`: this process's index.
+
+  JAX's exit handler shuts the client down; right after that the thread is stopped and joined
+  (`_stop_after`), before Python finalizes: a daemon thread that comes back from the client's C++
+  call while the interpreter finalizes aborts the process ("FATAL: exception not rethrown") after
+  a run that finished well."""
   global _heartbeat
   from jax._src import distributed as jd  # the coordination service's key-value store
   client = jd.global_state.client
@@ -35,16 +41,41 @@ def start_heartbeat(me: int) -> None:
 
   def beat():
     n = 0
-    while True:
+    while not _stop_beating.is_set():
       n += 1
       try:
         client.key_value_set(f"{_ALIVE}{me}", str(n), allow_overwrite=True)
       except Exception:  # the coordinator is gone: the watchdog names it
         return
-      time.sleep(_BEAT_S)
+      _stop_beating.wait(_BEAT_S)
 
+  _stop_beating.clear()
   _heartbeat = threading.Thread(target=beat, name="jaxpar-alive", daemon=True)
   _heartbeat.start()
+  _stop_after(jd.global_state)
+
+
+def _stop_after(state) -> None:
+  """`state.shutdown` (JAX's distributed state, which its exit handler and
+  jax.distributed.shutdown call) followed by stopping and joining the heartbeat."""
+  shutdown = state.shutdown
+
+  def shutdown_then_stop():
+    try:
+      shutdown()
+    finally:
+      stop_heartbeat()
+  state.shutdown = shutdown_then_stop
+
+
+def stop_heartbeat() -> None:
+  """Stops the heartbeat thread and waits for it (at most a few beats: a call to a client that
+  was shut down returns at once)."""
+  global _heartbeat
+  _stop_beating.set()
+  if _heartbeat is not None:
+    _heartbeat.join(timeout=5 * _BEAT_S)
+    _heartbeat = None
 
 
 def stall_limits(tc, measured_gap: float | None) -> tuple[float, float]:
