@@ -63,11 +63,12 @@ class ModelConfig:
   # renormalise; Qwen2/3-MoE with norm_topk_prob) | before_topk = the softmax over all experts,
   # the k chosen probabilities kept as they are (Qwen2-MoE's default, DeepSeek-V2, Switch).
   # capacity_factor: 0 = dropless; > 0 = each expert takes at most ceil(factor x tokens x k / E)
-  # of a device's tokens, the rest pass by on the residual. moe_every: only 1 so far (the layer
-  # scan runs identical layers).
+  # of a device's tokens, the rest pass by on the residual. moe_every=k: layer i (from 0) is a
+  # mixture iff (i + 1) % k == 0 (Hugging Face's decoder_sparse_step), the others dense MLPs of
+  # width d_ff; n_layers must be divisible by k.
   n_experts: int = 0
   experts_per_token: int = 2  # k: the experts the router sends each token to
-  moe_every: int = 1  # every how many layers is a mixture (only 1)
+  moe_every: int = 1  # every how many layers is a mixture (1: every layer)
   shared_experts: int = 0  # always-on experts added to every token
   moe_d_ff: int = 0  # each expert's hidden units; 0 = d_ff
   router_softmax: str = "after_topk"  # after_topk | before_topk (see n_experts)
@@ -351,9 +352,10 @@ def _check_experts(mc: ModelConfig) -> None:
                       f"model.n_experts={mc.n_experts}")
   if mc.shared_expert_gate and not mc.shared_experts:
     raise ConfigError("config key model.shared_expert_gate=True needs model.shared_experts > 0")
-  if mc.moe_every != 1:
-    raise ConfigError(f"config key model.moe_every={mc.moe_every} is not supported: the layer "
-                      "scan runs identical layers, so every layer is a mixture of experts; use 1")
+  if mc.n_layers % mc.moe_every:
+    raise ConfigError(f"config key model.moe_every={mc.moe_every} does not divide "
+                      f"model.n_layers={mc.n_layers}: every group of moe_every layers ends in one "
+                      "mixture of experts")
 
 
 def _check_loss_scale(pc: PrecisionConfig) -> None:

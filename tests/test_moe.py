@@ -44,7 +44,7 @@ def make_cfg(*extra):
     (["model.experts_per_token=0"], "model.experts_per_token=0 must be positive"),
     (["model.capacity_factor=-1"], "model.capacity_factor=-1.0 must not be negative"),
     (["model.router_softmax=softmax"], "model.router_softmax='softmax' is not one of"),
-    (["model.moe_every=2"], "model.moe_every=2 is not supported"),
+    (["model.moe_every=3"], "model.moe_every=3 does not divide model.n_layers=2"),
     (["model.n_experts=0"], "model.shared_experts=1 needs model.n_experts > 0"),
 ])
 def test_bad_moe_keys_are_one_sentence(sets, says):
@@ -66,6 +66,18 @@ def test_experts_not_divisible_by_the_expert_split_is_one_sentence():
   assert str(e.value) == ("mesh 4x2x1 (data=4, model=2, pipeline=1) does not fit: "
                           "model.n_experts=6 is not divisible by data=4, which splits the experts "
                           "(expert parallelism)")
+
+
+@pytest.mark.parametrize("shape,extra,says", [
+    ((1, 1, 4), [], "model.n_layers=4 / model.moe_every=2 = 2 mixture layers are not divisible "
+                    "by 4 pipeline stages (each stage holds whole groups of moe_every layers)"),
+    ((1, 1, 2), ["parallel.schedule=circular", "parallel.virtual_stages=2"],
+     "model.moe_every=2 is not supported with parallel.virtual_stages=2 (the circular schedule "
+     "reorders a stack of identical layers); use 1")])
+def test_moe_every_under_a_pipeline_that_splits_a_group_is_one_sentence(shape, extra, says):
+  with pytest.raises(ConfigError) as e:
+    jmesh.check(shape, make_cfg(*EVERY, "train.batch_size=16", *extra), int(np.prod(shape)))
+  assert str(e.value).endswith(says) and "\n" not in str(e.value), str(e.value)
 
 
 def test_train_exits_2_with_the_sentence(tmp_path):
@@ -227,30 +239,36 @@ def train(cfg, shape, data):
 def references():
   out = {}
 
-  def get(kind):
-    if kind not in out:
-      cfg = make_cfg(f"model.kind={kind}")
+  def get(kind, *extra):
+    if (kind, *extra) not in out:
+      cfg = make_cfg(f"model.kind={kind}", *extra)
       data = batches(cfg, 2)
-      out[kind] = data, train(cfg, (1, 1, 1), data)
-    return out[kind]
+      out[(kind, *extra)] = data, train(cfg, (1, 1, 1), data)
+    return out[(kind, *extra)]
   return get
 
 
-# (kind, mesh, ZeRO stage, remat): experts split alone under full remat (the layer recomputed,
-# exchange included, against the reference's kept moe.SAVED), with tensor parallelism inside each
-# expert, ZeRO-3 (the other weights gathered, the experts owned) and dots_saveable, and over
-# data x model x context with ZeRO-2 (ZeRO-1 is the pipeline's test below)
-EP_LAYOUTS = [("gpt", (8, 1, 1), 0, "full"), ("llama", (4, 2, 1), 3, "dots_saveable"),
-              ("gpt", (2, 2, 1, 2), 2, "none")]
+# a mixture in every second layer of four (layers 1 and 3; 0 and 2 dense): the scan runs groups
+EVERY = ["model.n_layers=4", "model.moe_every=2"]
+
+# (kind, mesh, ZeRO stage, remat, more keys): experts split alone under full remat (the layer
+# recomputed, exchange included, against the reference's kept moe.SAVED), with tensor
+# parallelism inside each expert, ZeRO-3 (the other weights gathered, the experts owned) and
+# dots_saveable, and over data x model x context with ZeRO-2 (ZeRO-1 is the pipeline's test
+# below); and a mixture in every second layer split alone, and under ZeRO-3 with tensor
+# parallelism (the dense and mixture weights gathered a group at a time)
+EP_LAYOUTS = [("gpt", (8, 1, 1), 0, "full", []), ("llama", (4, 2, 1), 3, "dots_saveable", []),
+              ("gpt", (2, 2, 1, 2), 2, "none", []), ("gpt", (8, 1, 1), 0, "none", EVERY),
+              ("llama", (4, 2, 1), 3, "full", EVERY)]
 
 
-@pytest.mark.parametrize("kind,shape,stage,remat", EP_LAYOUTS,
+@pytest.mark.parametrize("kind,shape,stage,remat,extra", EP_LAYOUTS,
                          ids=[f"{k}-{jmesh.spec_str(s)}-zero{z}-remat_{r}"
-                              for k, s, z, r in EP_LAYOUTS])
-def test_expert_parallel_layout_matches_one_device(references, kind, shape, stage, remat):
-  data, (ref_losses, ref_metrics, ref_grads) = references(kind)
+                              + ("-moe_every2" if x else "") for k, s, z, r, x in EP_LAYOUTS])
+def test_expert_parallel_layout_matches_one_device(references, kind, shape, stage, remat, extra):
+  data, (ref_losses, ref_metrics, ref_grads) = references(kind, *extra)
   losses, metrics, grads = train(make_cfg(f"model.kind={kind}", f"parallel.zero_stage={stage}",
-                                          f"parallel.remat={remat}"), shape, data)
+                                          f"parallel.remat={remat}", *extra), shape, data)
   np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
   for name in ("lm_loss", "moe_aux_loss", "moe_z_loss", "moe_max_load"):
     np.testing.assert_allclose(metrics[name], ref_metrics[name], rtol=RTOL, err_msg=name)
@@ -317,17 +335,20 @@ def in_microbatch_order(batch, d, M):
 # (each stage's layers keep moe.SAVED); under the
 # circular schedule (4 layers, 2 virtual stages: the router's losses summed over chunks, the
 # stack in stage order) with full remat; and under 1F1B with a context axis (4 axes, attention
-# all-gathered in the stages, the router's statistics over data and context)
+# all-gathered in the stages, the router's statistics over data and context); and a mixture in
+# every second layer under 1F1B (each stage one group: a dense layer, then a mixture)
 CIRCULAR = ["model.n_layers=4", "parallel.virtual_stages=2", "parallel.remat=full"]
 PIPE_LAYOUTS = [("gpt", (2, 1, 2), "gpipe", 1, []),
                 ("llama", (2, 2, 2), "1f1b", 3, ["parallel.remat=dots_saveable"]),
-                ("gpt", (2, 1, 2), "circular", 1, CIRCULAR), ("llama", (2, 1, 2, 2), "1f1b", 1, [])]
+                ("gpt", (2, 1, 2), "circular", 1, CIRCULAR), ("llama", (2, 1, 2, 2), "1f1b", 1, []),
+                ("llama", (2, 1, 2), "1f1b", 1, EVERY)]
 
 
 @pytest.mark.parametrize("kind,shape,schedule,stage,extra", PIPE_LAYOUTS,
                          ids=[f"{k}-{jmesh.spec_str(s)}-{c}-zero{z}"
                               + "".join("-remat_" + e.split("=")[1] for e in x
                                         if e.startswith("parallel.remat="))
+                              + ("-moe_every2" if "model.moe_every=2" in x else "")
                               for k, s, c, z, x in PIPE_LAYOUTS])
 def test_pipeline_with_experts_split_matches_one_device(kind, shape, schedule, stage, extra):
   M = 2

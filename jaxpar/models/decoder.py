@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ConfigError
-from jaxpar.models import precision, ring, stack
+from jaxpar.models import moe, precision, ring, stack
 from jaxpar.models.base import ModelDef, from_nnx
 from jaxpar.models.stack import Parts
 from jaxpar.parallel.context import StepContext
@@ -47,6 +47,39 @@ def param_maker(rngs, dtype) -> Callable:
   def param(shape, axes, init):
     return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes)
   return param
+
+
+def mixture_layers(cfg) -> int:
+  """How many of cfg's layers are mixtures of experts (model.moe_every: layer i is one iff
+  (i + 1) % moe_every == 0, Hugging Face's decoder_sparse_step); 0 without experts."""
+  return cfg.n_layers // cfg.moe_every if cfg.n_experts else 0
+
+
+def in_groups(parts, cfg, dense: tuple[str, ...]):
+  """`parts` (Parts or kvcache.CachedParts) whose stack runs in groups of model.moe_every
+  layers, the last of each a mixture, where moe_every > 1; `parts` itself otherwise.
+
+  The stack then keeps each kind of weight once per layer that has it: attention's and the
+  norms' (L, ...), the dense MLP's (`dense`, its names) (L - L/k, ...), the mixture's
+  (moe.PARAMS) (L/k, ...). Cut into groups (stack.groups), layer j of a group takes the j-th
+  row of its attention and norms, and the j-th of its dense MLPs or (j = k - 1) its mixture."""
+  k = cfg.moe_every
+  if not cfg.n_experts or k == 1:
+    return parts
+
+  def pick(p: dict, j: int) -> dict:
+    mixture = j == k - 1
+    out = {}
+    for name, v in p.items():
+      if name in moe.PARAMS:
+        if mixture:
+          out[name] = v[0]
+      elif name not in dense:
+        out[name] = v[j]
+      elif not mixture:
+        out[name] = v[j]
+    return out
+  return replace(parts, every=k, pick=pick)
 
 
 def dropout(x: jax.Array, rate: float, key, which: int) -> jax.Array:

@@ -54,11 +54,16 @@ class Layers(nnx.Module):
     if cfg.n_experts:  # a mixture of GELU experts, without biases (models/moe.py)
       for name, value in moe.make_params(cfg, param, glu=False, out_std=proj_std).items():
         setattr(self, name, value)
-      return
+      if cfg.moe_every == 1:
+        return
+    L -= decoder.mixture_layers(cfg)  # the dense MLPs between the mixtures (decoder.in_groups)
     self.w1 = param((L, D, F), ("layers", "embed", "mlp"), normal(0.02))
     self.b1 = param((L, F), ("layers", "mlp"), zeros)
     self.w2 = param((L, F, D), ("layers", "mlp", "embed"), normal(proj_std))
     self.b2 = param((L, D), ("layers", "embed"), zeros)
+
+
+DENSE = ("w1", "b1", "w2", "b2")  # the dense MLP's weights
 
 
 class GPT(nnx.Module):
@@ -230,7 +235,7 @@ def _out_mlp(p: dict, x: jax.Array, a: jax.Array, cfg: ModelConfig, manual, rate
   w = lambda name: p[name].astype(x.dtype)
   a = tensor.row_parallel(a.reshape(B, T, -1), w("wo"), manual) + w("bo")
   x = checkpoint_name(x + decoder.dropout(a, rate, key, 0), "mid")
-  if cfg.n_experts:
+  if "router" in p:  # this layer's MLP is a mixture
     m, metrics = moe.mlp(p, layer_norm(x, p["ln2_scale"], p["ln2_bias"]), cfg, manual)
     return x + decoder.dropout(m, rate, key, 1), metrics
   h, = tensor.column_parallel(layer_norm(x, p["ln2_scale"], p["ln2_bias"]), [w("w1")], manual)
@@ -263,8 +268,9 @@ def parts(cfg: ModelConfig) -> decoder.Parts:
   head = head_logits
   if cfg.tie_embeddings:  # the LM head is the token embedding, transposed (GPT-2)
     head = lambda p, x: head_logits({**p, "head": p["wte"].T}, x)
-  return decoder.Parts(embed=embed, block=lambda p, x, ctx: block(p, x, cfg, ctx), head=head,
-                       embed_at=embed_at, metrics=moe.metric_names(cfg))
+  return decoder.in_groups(
+      decoder.Parts(embed=embed, block=lambda p, x, ctx: block(p, x, cfg, ctx), head=head,
+                    embed_at=embed_at, metrics=moe.metric_names(cfg)), cfg, DENSE)
 
 
 def embed(p: dict, tokens: jax.Array, dtype) -> jax.Array:
@@ -308,8 +314,10 @@ def block_cached(p: dict, x: jax.Array, positions: jax.Array, k_cache: jax.Array
 
 def cached_parts(cfg: ModelConfig) -> kvcache.CachedParts:
   """The GPT's functions for incremental decoding (kvcache.extend)."""
-  return kvcache.CachedParts(embed=embed_at, head=parts(cfg).head,
-                             block=lambda p, x, pos, k, v: block_cached(p, x, pos, k, v, cfg))
+  return decoder.in_groups(
+      kvcache.CachedParts(embed=embed_at, head=parts(cfg).head,
+                          block=lambda p, x, pos, k, v: block_cached(p, x, pos, k, v, cfg)),
+      cfg, DENSE)
 
 
 def n_params_nonembedding(cfg: ModelConfig) -> int:
@@ -317,10 +325,11 @@ def n_params_nonembedding(cfg: ModelConfig) -> int:
   D, F, L = cfg.d_model, cfg.d_ff, cfg.n_layers
   G = cfg.n_kv_heads or cfg.n_heads
   K = decoder.head_dim(cfg)
-  mlp = moe.n_params(cfg, glu=False, active=True) if cfg.n_experts else 2 * D * F + F + D
+  n_moe = decoder.mixture_layers(cfg)
+  mlp = n_moe * moe.n_params(cfg, glu=False, active=True) + (L - n_moe) * (2 * D * F + F + D)
   HK = cfg.n_heads * K  # = D unless model.head_dim decouples them
-  per_layer = 2 * D * HK + 2 * D * G * K + HK + G * K + D + mlp + 4 * D
-  return L * per_layer + 2 * D
+  per_layer = 2 * D * HK + 2 * D * G * K + HK + G * K + D + 4 * D
+  return L * per_layer + mlp + 2 * D
 
 
 MODULE = GPT

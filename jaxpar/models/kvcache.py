@@ -26,6 +26,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxpar.models import stack
 from jaxpar.parallel.rules import constrain
 
 LAYER_AXES = ("batch", None, "heads", "kv")  # one layer's k or v (B, T, G, K)
@@ -38,6 +39,8 @@ class CachedParts:
   embed: Callable[..., jax.Array]  # (top, tokens (B, S), positions (B, S), dtype) -> x (B, S, D)
   block: Callable[..., tuple]  # (layer params, x (B, S, D), positions (B, S), k, v) -> (x, k, v)
   head: Callable[[dict, jax.Array], jax.Array]  # (top, x (B, S, D)) -> logits (B, S, V) float32
+  every: int = 1  # layers per scan step, and how a step's layer j's weights are picked, as in
+  pick: Callable[[dict, int], dict] | None = None  # stack.Parts (decoder.in_groups)
 
 
 def empty(n_layers: int, batch: int, seq_len: int, kv_heads: int, head_dim: int,
@@ -87,11 +90,27 @@ def extend(parts: CachedParts, params: dict, cache: dict, tokens: jax.Array, sta
   top = {k: v for k, v in params.items() if k != "layers"}
   x = parts.embed(top, tokens, positions, dtype)
 
-  def body(x, layer):
-    p, k, v = layer
-    x, k, v = parts.block(p, x, positions, k, v)
-    return x, (k, v)
-  x, (k, v) = jax.lax.scan(body, x, (params["layers"], cache["k"], cache["v"]))
+  if parts.every == 1:
+    def body(x, layer):
+      p, k, v = layer
+      x, k, v = parts.block(p, x, positions, k, v)
+      return x, (k, v)
+    x, (k, v) = jax.lax.scan(body, x, (params["layers"], cache["k"], cache["v"]))
+  else:  # groups of `every` layers, the cache (L, ...) viewed as (L/every, every, ...)
+    E = parts.every
+    layers, _, n = stack.groups(params["layers"], None, E)
+    grouped = lambda c: c.reshape((n, E) + c.shape[1:])
+
+    def body(x, group):
+      p, ks, vs = group
+      out_k, out_v = [], []
+      for j in range(E):
+        x, k, v = parts.block(parts.pick(p, j), x, positions, ks[j], vs[j])
+        out_k.append(k)
+        out_v.append(v)
+      return x, (jnp.stack(out_k), jnp.stack(out_v))
+    x, (k, v) = jax.lax.scan(body, x, (layers, grouped(cache["k"]), grouped(cache["v"])))
+    k, v = k.reshape(cache["k"].shape), v.reshape(cache["v"].shape)
   return x, {"k": constrain(k, STACK_AXES), "v": constrain(v, STACK_AXES)}
 
 

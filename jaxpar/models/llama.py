@@ -49,10 +49,15 @@ class Layers(nnx.Module):
     if cfg.n_experts:  # a mixture of SwiGLU experts (models/moe.py), Mixtral's
       for name, value in moe.make_params(cfg, param, glu=True, out_std=0.02).items():
         setattr(self, name, value)
-      return
+      if cfg.moe_every == 1:
+        return
+    L -= decoder.mixture_layers(cfg)  # the dense MLPs between the mixtures (decoder.in_groups)
     self.w_gate = param((L, D, F), ("layers", "embed", "mlp"), normal)
     self.w_up = param((L, D, F), ("layers", "embed", "mlp"), normal)
     self.w_down = param((L, F, D), ("layers", "mlp", "embed"), normal)
+
+
+DENSE = ("w_gate", "w_up", "w_down")  # the dense MLP's weights
 
 
 class Llama(nnx.Module):
@@ -119,7 +124,7 @@ def _out_mlp(p: dict, x: jax.Array, a: jax.Array, cfg: ModelConfig, manual,
   a = tensor.row_parallel(a.reshape(B, T, -1), w("wo"), manual)
   x = x + decoder.dropout(a, cfg.dropout, key, 0)
   h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-  if cfg.n_experts:
+  if "router" in p:  # this layer's MLP is a mixture
     m, metrics = moe.mlp(p, h, cfg, manual)
     return x + decoder.dropout(m, cfg.dropout, key, 1), metrics
   gate, up = tensor.column_parallel(h, [w("w_gate"), w("w_up")], manual)  # over mlp
@@ -162,15 +167,18 @@ def parts(cfg: ModelConfig) -> decoder.Parts:
     w = p["wte"].T if cfg.tie_embeddings else p["head"]  # (D, V), vocab-parallel either way
     logits, = tensor.column_parallel(rms_norm(x, p["norm"], cfg.norm_eps), [w.astype(x.dtype)])
     return logits.astype(jnp.float32)
-  return decoder.Parts(embed=embed, block=lambda p, x, ctx: block(p, x, cfg, ctx), head=head,
-                       metrics=moe.metric_names(cfg))
+  return decoder.in_groups(
+      decoder.Parts(embed=embed, block=lambda p, x, ctx: block(p, x, cfg, ctx), head=head,
+                    metrics=moe.metric_names(cfg)), cfg, DENSE)
 
 
 def cached_parts(cfg: ModelConfig) -> kvcache.CachedParts:
   """The Llama's functions for incremental decoding (kvcache.extend)."""
-  return kvcache.CachedParts(embed=lambda p, tokens, positions, dtype: embed(p, tokens, dtype),
-                             head=parts(cfg).head,
-                             block=lambda p, x, pos, k, v: block_cached(p, x, pos, k, v, cfg))
+  return decoder.in_groups(
+      kvcache.CachedParts(embed=lambda p, tokens, positions, dtype: embed(p, tokens, dtype),
+                          head=parts(cfg).head,
+                          block=lambda p, x, pos, k, v: block_cached(p, x, pos, k, v, cfg)),
+      cfg, DENSE)
 
 
 def n_params_nonembedding(cfg: ModelConfig) -> int:
@@ -178,10 +186,11 @@ def n_params_nonembedding(cfg: ModelConfig) -> int:
   D, F, L = cfg.d_model, cfg.d_ff, cfg.n_layers
   G = cfg.n_kv_heads or cfg.n_heads
   K = decoder.head_dim(cfg)
-  mlp = moe.n_params(cfg, glu=True, active=True) if cfg.n_experts else 3 * D * F
+  n_moe = decoder.mixture_layers(cfg)
+  mlp = n_moe * moe.n_params(cfg, glu=True, active=True) + (L - n_moe) * 3 * D * F
   HK = cfg.n_heads * K  # = D unless model.head_dim decouples them
   attn_extra = (HK + 2 * G * K) * cfg.qkv_bias + 2 * K * cfg.qk_norm
-  return L * (2 * D * HK + 2 * D * G * K + attn_extra + mlp + 2 * D) + D
+  return L * (2 * D * HK + 2 * D * G * K + attn_extra + 2 * D) + mlp + D
 
 
 MODULE = Llama

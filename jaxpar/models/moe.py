@@ -52,11 +52,18 @@ def width(cfg: ModelConfig) -> int:
   return cfg.moe_d_ff or cfg.d_ff
 
 
+# every weight `make_params` may make: the leaves of a decoder's stack that only its mixture
+# layers have
+PARAMS = ("router", "e_gate", "e_up", "e_down", "e_w1", "e_w2", "s_gate", "s_up", "s_down", "s_w1",
+          "s_w2", "shared_gate")
+
+
 def make_params(cfg: ModelConfig, param, glu: bool, out_std: float) -> dict:
-  """The MoE MLP's weights for L stacked layers, by name: the router (L, D, E); each expert's
-  in and out matmuls (L, E, D, F) and (L, E, F, D), SwiGLU's gate and up (`glu`) or GELU's one;
-  the shared experts' dense MLP of width shared_experts x F. `param` is decoder.param_maker's."""
-  L, D, E, F = cfg.n_layers, cfg.d_model, cfg.n_experts, width(cfg)
+  """The MoE MLP's weights for its L stacked layers (n_layers / moe_every), by name: the router
+  (L, D, E); each expert's in and out matmuls (L, E, D, F) and (L, E, F, D), SwiGLU's gate and
+  up (`glu`) or GELU's one; the shared experts' dense MLP of width shared_experts x F. `param`
+  is decoder.param_maker's."""
+  L, D, E, F = cfg.n_layers // cfg.moe_every, cfg.d_model, cfg.n_experts, width(cfg)
   normal = nnx.initializers.normal
   ins = ("e_gate", "e_up") if glu else ("e_w1",)
   out = {"router": param((L, D, E), ("layers", "embed", None), normal(0.02))}

@@ -33,6 +33,12 @@ class Parts:
   # names of the scalars `block` reports beside x, as (x, {name: scalar}) (a mixture's router
   # losses); forward_metrics gives their means over the layers. (): block returns x alone
   metrics: tuple[str, ...] = ()
+  # layers per scan step. every > 1: the stack's leaves differ in length (a decoder with a
+  # mixture in every k-th layer keeps its dense MLPs' and its mixtures' weights apart), and one
+  # step runs a group of `every` layers: each leaf (N, ...) is viewed as (n, N/n, ...), n = the
+  # longest leaf's N / every, and pick(a group's leaves, j) -> the group's layer j's
+  every: int = 1
+  pick: Callable[[dict, int], dict] | None = None
 
 
 def split(params: dict, dims: Any) -> tuple[dict, Any, Any]:
@@ -67,11 +73,25 @@ def remat_policy(remat: str):
   return {"full": None, "dots_saveable": dots, "offload": offload}[remat]
 
 
+def groups(layers: dict, dims: Any, every: int) -> tuple[dict, Any, int]:
+  """A stack whose longest leaves have n x `every` rows viewed as n groups: each leaf (N, ...)
+  -> (n, N/n, ...), its ZeRO dim one axis on; (the leaves, the dims, n)."""
+  n = max(x.shape[0] for x in jax.tree_util.tree_leaves(layers)) // every
+  view = lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:])
+  return jax.tree_util.tree_map(view, layers), zero.shift(dims, 1), n
+
+
 def run_layers(layers: dict, x: jax.Array, block: Callable[..., jax.Array],
                ctx: StepContext = StepContext(), remat: str = "none",
-               metrics: tuple[str, ...] = ()) -> Any:
+               metrics: tuple[str, ...] = (), every: int = 1,
+               pick: Callable[[dict, int], dict] | None = None) -> Any:
   """Scan `block` over a stack of layers. layers: leaves (L, ...); x (B, T, D) -> x, or with
-  `metrics` (the names of the scalars block returns beside x) (x, {name: mean over the layers}).
+  `metrics` (the names of the scalars block returns beside x) (x, {name: mean over the layers
+  that report them}).
+
+  every > 1 (`Parts.every`): the scan runs over groups (`groups`), each step the group's layers
+  in turn, layer j's weights pick(group, j); a layer whose block returns no metrics ({}) is not
+  counted in their means. The checkpoint, ZeRO-3's gathers and regather then hold a group.
 
   Each layer runs under `remat`'s checkpoint policy (`remat_policy`). `ctx.dims` are the ZeRO-3
   dims of the stacked leaves: each layer's shards are all-gathered inside the scan body and
@@ -80,6 +100,8 @@ def run_layers(layers: dict, x: jax.Array, block: Callable[..., jax.Array],
   arrive whole. With a key (`ctx.rng`, dropout) the block of layer i gets fold_in(key, i), i the
   index in this scan (the model's layer index when the whole stack is scanned at once).
   """
+  if every > 1:
+    return _run_groups(layers, x, block, ctx, remat, metrics, every, pick)
   layer_dims = zero.shift(ctx.dims)
   layer_ctx = replace(ctx, dims=None)  # the block's weights arrive gathered
   keyed = ctx.rng is not None
@@ -103,6 +125,43 @@ def run_layers(layers: dict, x: jax.Array, block: Callable[..., jax.Array],
   return out[0], {k: v / n for k, v in out[1].items()}
 
 
+def _run_groups(layers, x, block, ctx, remat, metrics, every, pick):
+  """`run_layers` over groups of `every` layers: layer j of group g (layer g x every + j of
+  this scan) gets fold_in(key, g x every + j)."""
+  layers, dims, n = groups(layers, ctx.dims, every)
+  group_dims = zero.shift(dims)
+  layer_ctx = replace(ctx, dims=None)
+  keyed = ctx.rng is not None
+  reporting = []  # how many layers of a group report metrics (known once the body is traced)
+
+  def body(carry, p_g):
+    p, g = p_g
+    p = zero.gather(p, group_dims)
+    x, total = (carry if metrics else (carry, {}))
+    count = 0
+    for j in range(every):
+      lctx = replace(layer_ctx, rng=jax.random.fold_in(ctx.rng, g * every + j)) if keyed \
+          else layer_ctx
+      out = block(pick(p, j), x, lctx)
+      if not metrics:
+        x = out
+        continue
+      x, m = out
+      if m:
+        total, count = {k: total[k] + m[k] for k in metrics}, count + 1
+    reporting.append(count)
+    return ((x, total) if metrics else x), None
+  if remat != "none":
+    body = jax.checkpoint(body, prevent_cse=False, policy=remat_policy(remat))
+  elif ctx.dims is not None:
+    body = zero.regather(body)
+  init = (x, {k: jnp.zeros((), jnp.float32) for k in metrics}) if metrics else x
+  out, _ = jax.lax.scan(body, init, (layers, jnp.arange(n, dtype=jnp.uint32) if keyed else None))
+  if not metrics:
+    return out
+  return out[0], {k: v / (n * reporting[-1]) for k, v in out[1].items()}
+
+
 def forward(parts: Parts, params: dict, inputs: Any, ctx: StepContext = StepContext(),
             remat: str = "none") -> Any:
   """inputs -> the head's outputs: embed, the scanned stack, head (ZeRO-3 top gathered once)."""
@@ -116,7 +175,7 @@ def forward_metrics(parts: Parts, params: dict, inputs: Any, ctx: StepContext = 
   top = zero.gather(top, top_dims)
   x = parts.embed(top, inputs, ctx.dtype)
   out = run_layers(params["layers"], x, parts.block, replace(ctx, dims=layer_dims), remat,
-                   parts.metrics)
+                   parts.metrics, parts.every, parts.pick)
   x, metrics = out if parts.metrics else (out, {})
   return parts.head(top, x), metrics
 
@@ -143,7 +202,8 @@ def pipeline_grads(parts: Parts, params: dict, micro: dict, sched, score: Callab
     return parts.embed(zero.gather(t, top_dims), inputs(mb), ctx.dtype)
 
   def stage_fn(layers, x):
-    return run_layers(layers, x, parts.block, layer_ctx, remat, parts.metrics)
+    return run_layers(layers, x, parts.block, layer_ctx, remat, parts.metrics, parts.every,
+                      parts.pick)
 
   def loss_fn(t, x, mb):
     loss, metrics = score(parts.head(zero.gather(t, top_dims), x), mb)

@@ -90,6 +90,8 @@ def check(shape, cfg: Config, n_devices: int) -> None:
       problems += _expert_problems(mc, d, m)
     if mc.n_layers % stages:
       problems.append(f"model.n_layers={mc.n_layers} is not divisible by {stages} pipeline stages")
+    if mc.n_experts and mc.moe_every > 1 and p > 1:
+      problems += _moe_every_problems(mc, p, stages)
     if p > 1 and mc.dropout > 0:
       problems.append(f"model.dropout={mc.dropout} is not supported with a pipeline "
                       f"(pipeline={p}): the schedule does not carry the step's key; use pipeline=1 "
@@ -107,6 +109,21 @@ def check(shape, cfg: Config, n_devices: int) -> None:
     problems += _context_problems(cfg, c, p, decoder)
   if problems:
     raise ConfigError(f"mesh {spec} ({named}) does not fit: " + "; ".join(problems))
+
+
+def _moe_every_problems(mc, p: int, stages: int) -> list[str]:
+  """A mixture in every k-th layer under a pipeline: each stage holds whole groups of k layers
+  (its blocks of the dense and mixture weights then line up with its layers); the circular
+  schedule's reorder of the stack is for layers of one kind."""
+  groups = mc.n_layers // mc.moe_every
+  if stages != p:
+    return [f"model.moe_every={mc.moe_every} is not supported with parallel.virtual_stages="
+            f"{stages // p} (the circular schedule reorders a stack of identical layers); use 1"]
+  if groups % p:
+    return [f"model.n_layers={mc.n_layers} / model.moe_every={mc.moe_every} = {groups} mixture "
+            f"layers are not divisible by {p} pipeline stages (each stage holds whole groups of "
+            "moe_every layers)"]
+  return []
 
 
 def _expert_problems(mc, d: int, m: int) -> list[str]:

@@ -248,11 +248,10 @@ def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, lo
   P, M, V, K = sched.stages, sched.microbatches, sched.virtual_stages, sched.slots
   s = jax.lax.axis_index(PIPE)
   actions = jnp.asarray(sched.actions)
-  n_rows = jax.tree_util.tree_leaves(layers)[0].shape[0]
-  Lc = n_rows // V
   take = lambda tree, i: jax.tree_util.tree_map(lambda x: x[i], tree)
+  # chunk c: each leaf's c-th of V row blocks (a stack's leaves may differ in length: stack.Parts)
   chunk = lambda c: jax.tree_util.tree_map(
-      lambda x: jax.lax.dynamic_slice_in_dim(x, c * Lc, Lc, 0), layers)
+      lambda x: jax.lax.dynamic_slice_in_dim(x, c * (x.shape[0] // V), x.shape[0] // V, 0), layers)
   x_shape = jax.eval_shape(embed_fn, top, take(micro, 0))
   zeros_x = jnp.zeros(x_shape.shape, x_shape.dtype)
   zeros_like = lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree)
@@ -296,7 +295,8 @@ def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, lo
     d_chunk, dx = vjp((dy.astype(y.dtype), seed))
     g_layers = jax.tree_util.tree_map(
         lambda g, d: jax.lax.dynamic_update_slice_in_dim(
-            g, jax.lax.dynamic_slice_in_dim(g, c * Lc, Lc, 0) + d, c * Lc, 0), g_layers, d_chunk)
+            g, jax.lax.dynamic_slice_in_dim(g, c * d.shape[0], d.shape[0], 0) + d,
+            c * d.shape[0], 0), g_layers, d_chunk)
     first = (s == 0) & (c == 0)
     d_embed = jax.lax.cond(first, lambda: jax.vjp(lambda t: embed_fn(t, mb), top)[1](dx)[0],
                            lambda: zeros_like(top))
