@@ -38,6 +38,13 @@ MODELS = {  # name: (config class, model class, its keys, torch seed)
                   dict(QWEN_MOE, shared_expert_intermediate_size=32, norm_topk_prob=False), 4),
     "qwen3-moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
                   dict(QWEN_MOE, head_dim=16, norm_topk_prob=True), 5),  # heads wider
+    # 4 layers, a mixture in layers 1 and 3 (decoder_sparse_step), dense MLPs in 0 and 2
+    "qwen2-moe-every2": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                         dict(QWEN_MOE, shared_expert_intermediate_size=32, norm_topk_prob=False,
+                              num_hidden_layers=4, decoder_sparse_step=2), 9),
+    "qwen3-moe-every2": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                         dict(QWEN_MOE, head_dim=8, norm_topk_prob=True, num_hidden_layers=4,
+                              decoder_sparse_step=2), 10),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
                 dict(head_dim=8, sliding_window=T), 6),  # a window as long as the sequence
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}, 7),
@@ -75,7 +82,8 @@ def test_the_router_is_exercised(folders):
 
 
 CASES = [(m, lay) for m in ("mixtral", "qwen2-moe", "qwen3-moe") for lay in ("1x1x1", "4x2x1")] + \
-        [("mistral", "2x2x1"), ("qwen2", "2x2x1"), ("qwen3-tied", "2x2x1")]
+        [("mistral", "2x2x1"), ("qwen2", "2x2x1"), ("qwen3-tied", "2x2x1"),
+         ("qwen2-moe-every2", "1x1x1"), ("qwen3-moe-every2", "4x2x1")]
 
 
 @pytest.mark.parametrize("name,layout", CASES, ids=[f"{m}-{lay}" for m, lay in CASES])
@@ -118,6 +126,7 @@ def test_config_keys(folders):
           "router_softmax": "before_topk"}.items() <= keys["qwen2-moe"].items()
   assert keys["qwen3-moe"]["qk_norm"] and keys["qwen3-moe"]["router_softmax"] == "after_topk"
   assert keys["mistral"]["max_positions"] == T and keys["qwen3-tied"]["tie_embeddings"]
+  assert keys["qwen2-moe"]["moe_every"] == 1 and keys["qwen2-moe-every2"]["moe_every"] == 2
   assert keys["qwen3-moe"]["head_dim"] == 16 and keys["qwen3-tied"]["head_dim"] == 4
   assert "head_dim" not in keys["mistral"]  # 8 = hidden / heads: the default
 
@@ -146,7 +155,8 @@ def test_a_decoupled_head_dim_needs_no_divisible_width():
   assert decoder.sizes(cfg.model)[-1] == 16 and llama.n_params_nonembedding(cfg.model) == n
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "qwen3-moe", "mistral", "qwen2"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "qwen3-moe", "mistral", "qwen2",
+                                  "qwen2-moe-every2", "qwen3-moe-every2"])
 def test_round_trip_loads_in_transformers_with_the_same_logits(folders, tmp_path, name):
   m, got = exported_logits(folders[name], tmp_path)
   assert type(m).__name__ == MODELS[name][1].__name__
@@ -178,8 +188,9 @@ def test_gateless_shared_experts_export_as_qwen2_moe(tmp_path):
   assert rel(got, want) < RTOL
 
 
-@pytest.mark.parametrize("name,mesh", [("qwen2-moe", (1, 1, 1)), ("qwen2-moe", (2, 2, 1)),
-                                       ("qwen3-moe", (2, 2, 1))])  # its cache's heads 16 wide
+@pytest.mark.parametrize("name,mesh", [("qwen2-moe", (1, 1, 1)),
+                                       ("qwen3-moe", (2, 2, 1)),  # its cache's heads 16 wide
+                                       ("qwen2-moe-every2", (2, 2, 1))])
 def test_greedy_decoding_with_the_cache_matches_transformers(folders, name, mesh):
   folder = folders[name]
   cfg = config.load(None, [f"model.init_from={folder}", f"model.seq_len={T}",
@@ -199,7 +210,8 @@ def test_greedy_decoding_with_the_cache_matches_transformers(folders, name, mesh
 
 
 @pytest.mark.parametrize("name,changes,says", [
-    ("qwen2-moe", dict(decoder_sparse_step=2), "decoder_sparse_step=2 is not supported"),
+    ("qwen2-moe", dict(decoder_sparse_step=3), "model.moe_every=3 does not divide "
+                                               "model.n_layers=2"),
     ("qwen3-moe", dict(mlp_only_layers=[1]), "mlp_only_layers=[1] is not supported"),
     ("qwen2-moe", dict(shared_expert_intermediate_size=24),
      "shared_expert_intermediate_size=24 is not supported (jaxpar needs a multiple of"),
@@ -236,6 +248,8 @@ def test_a_window_shorter_than_the_sequence_is_one_sentence_and_exit_2(folders, 
     ({"n_experts": 4, "qk_norm": True, "router_softmax": "before_topk"}, "Qwen3MoeForCausalLM"),
     ({"n_experts": 4, "router_softmax": "before_topk"}, "router_softmax=before_topk and neither"),
     ({"n_experts": 4, "qkv_bias": True}, "without shared experts and with q/k/v biases"),
+    ({"n_experts": 4, "n_layers": 4, "moe_every": 2, "shared_experts": 1}, "Qwen2MoeForCausalLM"),
+    ({"n_experts": 4, "n_layers": 4, "moe_every": 2}, "a mixture only every 2 layers"),
     ({"qkv_bias": True, "qk_norm": True}, "both q/k/v biases and q/k norms"),
 ])
 def test_the_export_architecture_follows_the_options(keys, arch):

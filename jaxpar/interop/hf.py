@@ -30,7 +30,8 @@ from jaxpar.interop import hf_llama
 from jaxpar.interop.export import STEP_REMEDY, checkpoint_step, write_safetensors, writes
 from jaxpar.interop.generate import Codec
 from jaxpar.models.hf_weights import (MIXTRAL_MOE, QWEN_MOE, Folder,  # noqa: F401 (the weights'
-                                      _read_json, load_params, names, read_param)  # side)
+                                      _read_json, layers_of, load_params, names,  # side)
+                                      read_param)
 from jaxpar.train import checkpoint
 
 GPT2, LLAMA = kinds.KINDS["gpt"].hf_architecture, kinds.KINDS["llama"].hf_architecture
@@ -98,13 +99,13 @@ def _hf_tensors(mc) -> dict[str, tuple[list[str], Callable]]:
     inverse = np.transpose if transform is np.transpose else same
     if path == "layers/shared_gate":  # (D,) per layer <- Linear(D, 1)'s (1, D)
       inverse = lambda x: x[None]
-    if "{e}" in hf_name:
-      for i in range(mc.n_layers):
+    if "{e}" in hf_name:  # row r of the stack is Hugging Face's layer i
+      for r, i in enumerate(layers_of(mc, path)):
         for e in range(mc.n_experts):
-          out[hf_name.format(i=i, e=e)] = ([path], at((i, e), inverse))
+          out[hf_name.format(i=i, e=e)] = ([path], at((r, e), inverse))
     elif "{i}" in hf_name:
-      for i in range(mc.n_layers):
-        out[hf_name.format(i=i)] = ([path], at(i, inverse))
+      for r, i in enumerate(layers_of(mc, path)):
+        out[hf_name.format(i=i)] = ([path], at(r, inverse))
     else:
       out[hf_name] = ([path], inverse)
   if mc.kind == "gpt":
@@ -130,11 +131,13 @@ def _qwen2_moe_fill(mc) -> dict[str, tuple[list[str], Callable]]:
     if not mc.qkv_bias:
       for x in "qkv":
         out[h + f"self_attn.{x}_proj.bias"] = ([f"layers/w{x}"], lambda w, i=i: zeros_of(w[i]))
+  for r, i in enumerate(layers_of(mc, "layers/s_down")):  # row r of the mixtures: layer i
+    h = f"model.layers.{i}."
     if not mc.shared_expert_gate:
       out[h + "mlp.shared_expert_gate.weight"] = (
-          ["layers/mlp_norm"], lambda n, i=i: np.zeros((1,) + n.shape[1:], n.dtype))
+          ["layers/mlp_norm"], lambda n: np.zeros((1,) + n.shape[1:], n.dtype))
       out[h + "mlp.shared_expert.down_proj.weight"] = (
-          ["layers/s_down"], lambda w, i=i: np.transpose(w[i] * np.asarray(2, w.dtype)))
+          ["layers/s_down"], lambda w, r=r: np.transpose(w[r] * np.asarray(2, w.dtype)))
   return out
 
 

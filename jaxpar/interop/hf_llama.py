@@ -5,7 +5,8 @@ mixture (model.n_experts ...) with Qwen2-MoE's gated shared expert (model.shared
 
 What jaxpar's layer cannot do is refused in one sentence naming the config.json key: another
 head width than hidden / heads, biases on the attention's output, rope scaling, dense layers
-between the mixtures (decoder_sparse_step, mlp_only_layers). A sliding window becomes
+between the mixtures other than every decoder_sparse_step-th layer's (mlp_only_layers); a
+decoder_sparse_step is model.moe_every. A sliding window becomes
 model.max_positions, the longest sequence jaxpar then trains or decodes (where a window shorter
 than the sequence would change the attention, jaxpar has none).
 
@@ -76,14 +77,12 @@ def _qwen_moe(arch: str, hf: dict, refuse: Callable) -> dict:
   E = hf.get("num_experts") or hf.get("num_local_experts")
   if not E:
     refuse("num_experts", E, "a mixture of at least one expert")
-  if hf.get("decoder_sparse_step", 1) != 1:
-    refuse("decoder_sparse_step", hf["decoder_sparse_step"],
-           "1: every layer a mixture of experts, as the layer scan runs identical layers")
   if hf.get("mlp_only_layers"):
     refuse("mlp_only_layers", hf["mlp_only_layers"], "[]: no dense layer between the mixtures")
   F = hf["moe_intermediate_size"]
   out = {"n_experts": E, "experts_per_token": hf["num_experts_per_tok"], "moe_d_ff": F,
-         "router_softmax": "after_topk" if hf.get("norm_topk_prob", False) else "before_topk"}
+         "router_softmax": "after_topk" if hf.get("norm_topk_prob", False) else "before_topk",
+         "moe_every": hf.get("decoder_sparse_step", 1)}  # its dense layers' width: d_ff
   Fs = hf.get("shared_expert_intermediate_size", 0) if arch == QWEN2_MOE else 0
   if Fs % F:
     refuse("shared_expert_intermediate_size", Fs,
@@ -109,6 +108,9 @@ def architecture_of(mc) -> str:
     return QWEN2_MOE
   if mc.qk_norm:
     return QWEN3_MOE
+  if mc.moe_every > 1:
+    refuse(f"a mixture only every {mc.moe_every} layers (model.moe_every) and neither shared "
+           "experts nor q/k norms (every layer of Mixtral's is a mixture)")
   if mc.qkv_bias:
     refuse("a mixture without shared experts and with q/k/v biases")
   if mc.router_softmax != "after_topk":
@@ -139,7 +141,7 @@ def hf_config(mc, arch: str) -> dict:
     F = mc.moe_d_ff or mc.d_ff
     out.update(num_experts=mc.n_experts, num_local_experts=mc.n_experts,
                num_experts_per_tok=mc.experts_per_token, moe_intermediate_size=F,
-               norm_topk_prob=mc.router_softmax == "after_topk", decoder_sparse_step=1,
+               norm_topk_prob=mc.router_softmax == "after_topk", decoder_sparse_step=mc.moe_every,
                mlp_only_layers=[])
   if arch == QWEN2_MOE:
     out.update(shared_expert_intermediate_size=mc.shared_experts * F, qkv_bias=True)

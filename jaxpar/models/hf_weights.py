@@ -5,7 +5,9 @@ state (`load_params`), one jaxpar tensor at a time. The folder's config.json, to
 way back out are interop/hf.py's.
 
 A name holds {i} for the layer and, for an expert's weight, {e} for the expert: jaxpar stacks
-layers on axis 0 and experts on axis 1, (L, E, ...).
+layers on axis 0 and experts on axis 1, (L, E, ...); with a mixture in every k-th layer
+(decoder_sparse_step) the mixtures' and the dense MLPs' weights stack only their own layers
+(`layers_of`).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import ConfigError
+from jaxpar.models import moe
 from jaxpar.parallel.rules import path_str
 
 
@@ -103,7 +106,7 @@ def _llama_names(mc, moe_layout=QWEN_MOE) -> dict[str, tuple[str, Callable]]:
   }
   if mc.n_experts:
     names.update(_moe_names(mc, h, moe_layout))
-  else:
+  if not mc.n_experts or mc.moe_every > 1:
     names.update({"layers/w_gate": (h + "mlp.gate_proj.weight", t),
                   "layers/w_up": (h + "mlp.up_proj.weight", t),
                   "layers/w_down": (h + "mlp.down_proj.weight", t)})
@@ -114,6 +117,23 @@ def _llama_names(mc, moe_layout=QWEN_MOE) -> dict[str, tuple[str, Callable]]:
   if not mc.tie_embeddings:
     names["head"] = ("lm_head.weight", t)
   return names
+
+
+_DENSE_MLP = ("w_gate", "w_up", "w_down")  # the Llama family's dense MLP (llama.DENSE)
+
+
+def layers_of(mc, path: str) -> range | list[int]:
+  """The Hugging Face layers whose tensors jaxpar's stacked parameter `path` holds, in row
+  order: every layer, or with a mixture in every k-th layer (model.moe_every, decoder_sparse_step)
+  the mixtures' (i + 1) % k == 0 for its weights and the others for the dense MLP's."""
+  L, k, name = mc.n_layers, mc.moe_every, path.rsplit("/", 1)[-1]
+  if not mc.n_experts or k == 1 or not path.startswith("layers/"):
+    return range(L)
+  if name in moe.PARAMS:
+    return [i for i in range(L) if (i + 1) % k == 0]
+  if name in _DENSE_MLP:
+    return [i for i in range(L) if (i + 1) % k]
+  return range(L)
 
 
 def names(mc, moe_layout=QWEN_MOE) -> dict[str, tuple[str, Callable]]:
@@ -159,9 +179,10 @@ def read_param(folder: Folder, path: str, mc, want: tuple[int, ...],
       return np.stack([transform(folder.read(hf_name.format(i=i, e=e)))
                        for e in range(mc.n_experts)])
     return transform(folder.read(hf_name.format(i=i)))
-  x = np.stack([layer(i) for i in range(mc.n_layers)]) if "{i}" in hf_name else layer(0)
+  rows = layers_of(mc, path)
+  x = np.stack([layer(i) for i in rows]) if "{i}" in hf_name else layer(0)
   if tuple(x.shape) != tuple(want):
-    where = hf_name.format(i=0, e=0)
+    where = hf_name.format(i=rows[0], e=0)
     raise ConfigError(f"{folder.folder}: tensor {where} gives {path} the shape {tuple(x.shape)}, "
                       f"but config.json makes {tuple(want)}")
   return x
