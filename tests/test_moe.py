@@ -80,6 +80,43 @@ def test_moe_every_under_a_pipeline_that_splits_a_group_is_one_sentence(shape, e
   assert str(e.value).endswith(says) and "\n" not in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_moe_every_runs_each_layer_with_its_own_weights_and_key(kind):
+  """moe_every=2 of 4 layers against the blocks run one at a time: layer i's attention row i,
+  its dense MLP's row i - (i + 1) // 2 or (i = 1, 3) its mixture's row i // 2, its dropout key
+  fold_in(key, i); the router's losses are the mean over the two mixtures."""
+  from jaxpar.models import base, decoder, gpt, llama
+  from jaxpar.parallel.context import StepContext
+  cfg = make_cfg(f"model.kind={kind}", *EVERY, "model.dropout=0.1")
+  mc, module = cfg.model, {"gpt": gpt, "llama": llama}[kind]
+  model = jmodel.build_model(cfg)
+  params = model.init(jax.random.key(0))
+  batch = {"tokens": jnp.asarray(batches(cfg, 1)[0])}
+  rng = base.at_rows(base.train_key(0, 0), 0)
+  got_loss, got_metrics = jax.jit(lambda p: model.loss(p, batch, rng=rng))(params)
+
+  def reference(params):
+    top = {k: v for k, v in params.items() if k != "layers"}
+    parts = decoder.with_embed_dropout(module.parts(mc), mc.dropout, rng, mc.n_layers)
+    x = parts.embed(top, batch["tokens"][:, :-1], jnp.float32)
+    total = {}
+    for i in range(mc.n_layers):
+      mixture = (i + 1) % 2 == 0
+      row = lambda name: (i // 2 if mixture else None) if name in moe.PARAMS else \
+          (None if mixture else i - (i + 1) // 2) if name in module.DENSE else i
+      p = {k: v[row(k)] for k, v in params["layers"].items() if row(k) is not None}
+      x, m = module.block(p, x, mc, StepContext(rng=jax.random.fold_in(rng, i)))
+      assert bool(m) == mixture
+      total = {**total, **{k: total.get(k, 0.0) + v / 2 for k, v in m.items()}}
+    ce = decoder.cross_entropy(parts.head(top, x), batch["tokens"][:, 1:])
+    return decoder.with_router_losses(ce, total, cfg.train)
+  want_loss, want_metrics = jax.jit(reference)(params)
+  np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=RTOL)
+  for name in want_metrics:
+    np.testing.assert_allclose(float(got_metrics[name]), float(want_metrics[name]), rtol=RTOL,
+                               err_msg=name)
+
+
 def test_train_exits_2_with_the_sentence(tmp_path):
   r = subprocess.run([sys.executable, "-m", "jaxpar", "train", "--mesh", "1x1x1", "--set",
                       "model.n_experts=4", "--set", "model.experts_per_token=5", "--workdir",
