@@ -211,10 +211,10 @@ def estimate(cfg: Config, lay: Layout, facts: ModelFacts, r: Rates,
   mc = cfg.model
   if mc.kind != "cnn":
     act = cfg.train.batch_size / d * mc.seq_len / c * mc.d_model * _compute_dtype_bytes(cfg)
-    if mc.n_experts and d > 1:  # parallel/expert.py, per layer: rows out and back in the forward
+    if mc.n_experts and d > 1:  # parallel/expert.py, per MoE layer: rows out and back in the fwd
       # and their transposes in the backward (a recomputed forward would add two); a buffer holds
       # d x every row of the device (dropless)
-      sent += 4 * mc.n_layers * (d - 1) / d * d * act * mc.experts_per_token
+      sent += 4 * (mc.n_layers // mc.moe_every) * (d - 1) / d * d * act * mc.experts_per_token
     if c > 1:  # models/ring.py, per layer of the device's stage: the K/V ring sends (6c - 4) x
       # one device's k chunk; under a pipeline its all-gather form, 6 (c - 1) x
       kv = act / mc.d_model * (mc.n_kv_heads or mc.n_heads) * (mc.head_dim or mc.d_model // mc.n_heads) / m
