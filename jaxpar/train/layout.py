@@ -47,7 +47,8 @@ class StateLayout:
       self.schedule = pipeline.build(pc.schedule, n_stages, microbatches(cfg, n_stages),
                                      pc.virtual_stages)
     stack = model.abstract["layers"] if self.schedule and "layers" in model.abstract else None
-    self.n_layers = jax.tree_util.tree_leaves(stack)[0].shape[0] if stack else 0
+    # the longest leaf's rows: with model.moe_every > 1 the dense and mixture MLPs have fewer
+    self.n_layers = max(x.shape[0] for x in jax.tree_util.tree_leaves(stack)) if stack else 0
     if self.schedule is not None:  # before the specs, whose message would name one parameter
       stages = n_stages * self.schedule.virtual_stages
       if self.n_layers % stages:
