@@ -27,6 +27,8 @@ from jaxpar.parallel import mesh as jmesh
 from jaxpar.train.step import Trainer
 
 RTOL = 1e-5
+# what every layout must report as one device does: the router's losses and each expert's load
+ROUTER_METRICS = ("lm_loss", "moe_aux_loss", "moe_z_loss", "moe_max_load", *moe.load_names(8))
 BASE = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.d_ff=64",
         "model.seq_len=16", "train.batch_size=8", "model.n_experts=8",
         "model.experts_per_token=2", "model.shared_experts=1", "train.lr=1e-2",
@@ -202,6 +204,29 @@ def test_router_metrics_against_their_definitions():
   z = np.log(np.exp(logits).sum(1))
   np.testing.assert_allclose(float(m["moe_z_loss"]), np.mean(z ** 2), rtol=1e-5)
   np.testing.assert_allclose(float(m["moe_max_load"]), frac.max() * E / k, rtol=1e-6)
+  shares = [float(m[name]) for name in moe.load_names(E)]  # each expert's share of the rows
+  np.testing.assert_allclose(shares, frac / k, rtol=1e-6)
+  assert moe.load_names(12)[:3] == ("moe_load/00", "moe_load/01", "moe_load/02")
+
+
+def test_the_metrics_file_holds_each_experts_load(tmp_path):
+  """A run's metrics rows carry the router's losses and each expert's share of the routed rows
+  (moe_load/0..7, summing to 1), as the logger writes them (JSON numbers), the experts split
+  over 8 devices."""
+  import json
+
+  from jaxpar.train import loop
+  cfg = make_cfg("data.source=synthetic", "checkpoint.every=0", "train.log_every=1")
+  loop.run(cfg, (8, 1, 1), str(tmp_path / "wd"), str(tmp_path / "m.jsonl"), steps=2,
+           progress=False, log=lambda *a: None)
+  rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+  steps = [r for r in rows if "loss" in r and not r.get("final")]
+  assert [r["step"] for r in steps] == [1, 2]
+  for r in steps:
+    shares = [r[name] for name in moe.load_names(8)]
+    assert all(isinstance(x, float) and x >= 0 for x in shares) and abs(sum(shares) - 1) < 1e-5
+    # means over the 2 layers: the busiest share of the mean, at most the mean of the busiest
+    assert 1 < max(shares) * 8 <= r["moe_max_load"] + 1e-6
 
 
 def test_capacity_that_drops_nothing_equals_dropless():
@@ -307,7 +332,7 @@ def test_expert_parallel_layout_matches_one_device(references, kind, shape, stag
   losses, metrics, grads = train(make_cfg(f"model.kind={kind}", f"parallel.zero_stage={stage}",
                                           f"parallel.remat={remat}", *extra), shape, data)
   np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
-  for name in ("lm_loss", "moe_aux_loss", "moe_z_loss", "moe_max_load"):
+  for name in ROUTER_METRICS:
     np.testing.assert_allclose(metrics[name], ref_metrics[name], rtol=RTOL, err_msg=name)
   assert_trees_close(grads, ref_grads, "gradient")
   assert ref_metrics["moe_aux_loss"] > 0 and ref_metrics["moe_max_load"] >= 1
@@ -398,7 +423,7 @@ def test_pipeline_with_experts_split_matches_one_device(kind, shape, schedule, s
   ref_losses, ref_metrics, ref_grads = train(
       ref_cfg, (1, 1, 1), [in_microbatch_order(b, shape[0], M) for b in data])
   np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
-  for name in ("lm_loss", "moe_aux_loss", "moe_z_loss", "moe_max_load"):
+  for name in ROUTER_METRICS:
     np.testing.assert_allclose(metrics[name], ref_metrics[name], rtol=RTOL, err_msg=name)
   assert_trees_close(grads, ref_grads, "gradient")
   assert metrics["loss"] > metrics["lm_loss"]  # the router's losses are in the loss trained
@@ -415,7 +440,7 @@ def test_grad_accum_with_experts_split_matches_one_device():
   ref_losses, ref_metrics, ref_grads = train(make_cfg(f"train.grad_accum={M}"), (1, 1, 1),
                                              [in_microbatch_order(b, d, M) for b in data])
   np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
-  for name in ("lm_loss", "moe_aux_loss", "moe_z_loss", "moe_max_load"):
+  for name in ROUTER_METRICS:
     np.testing.assert_allclose(metrics[name], ref_metrics[name], rtol=RTOL, err_msg=name)
   assert_trees_close(grads, ref_grads, "gradient")
 

@@ -36,15 +36,23 @@ from jaxpar.parallel.rules import constrain
 # activation, and the rows come back (the router's small matmul and the sorts are recomputed).
 SAVED = ("moe_rows", "moe_gate", "moe_up", "moe_out")
 
-# what a MoE block reports beside its output, each a mean over the MoE layers
+# what a MoE block reports beside its output, each a mean over the MoE layers; and, per expert,
+# load_names(E): the share of the routed rows expert e received (the E shares sum to 1)
 METRICS = ("moe_aux_loss", "moe_z_loss", "moe_max_load", "moe_dropped")
+
+
+def load_names(E: int) -> tuple[str, ...]:
+  """The per-expert load metrics' names, moe_load/0 .. moe_load/{E-1} zero-padded so that they
+  sort in order (TensorBoard groups them under moe_load)."""
+  width = len(str(E - 1))
+  return tuple(f"moe_load/{e:0{width}d}" for e in range(E))
 
 
 def metric_names(cfg: ModelConfig) -> tuple[str, ...]:
   """The metrics a block of `cfg` reports (stack.Parts.metrics): none for a dense MLP."""
   if not cfg.n_experts:
     return ()
-  return METRICS if cfg.capacity_factor else METRICS[:-1]
+  return (METRICS if cfg.capacity_factor else METRICS[:-1]) + load_names(cfg.n_experts)
 
 
 def width(cfg: ModelConfig) -> int:
@@ -159,7 +167,8 @@ def mlp(p: dict, h: jax.Array, cfg: ModelConfig, manual=frozenset()) -> tuple[ja
   prob = mean(jnp.mean(jax.nn.softmax(logits, -1), 0))  # (E,)
   metrics = {"moe_aux_loss": E * jnp.sum(load * prob),
              "moe_z_loss": mean(jnp.mean(jnp.square(jax.nn.logsumexp(logits, -1)))),
-             "moe_max_load": jnp.max(load) * E / k}
+             "moe_max_load": jnp.max(load) * E / k,
+             **dict(zip(load_names(E), load / k))}
   if keep is not None:
     metrics["moe_dropped"] = mean(1.0 - jnp.sum(keep) / A)
   return y, metrics
