@@ -177,7 +177,9 @@ class ModelFacts:
     if n_params is not None:
       mc = cfg.model
       tokens = mc.seq_len * cfg.train.batch_size
-      attention = 12 * mc.n_layers * mc.d_model * mc.seq_len if mc.kind != "cnn" else 0
+      heads_width = mc.n_heads * (mc.head_dim or mc.d_model // mc.n_heads)  # H K (= D unless
+      # model.head_dim decouples them)
+      attention = 12 * mc.n_layers * heads_width * mc.seq_len if mc.kind != "cnn" else 0
       count, flops, experts = n_params, (6 * n_params + attention) * tokens, 0
     return ModelFacts(float(count), float(flops), float(experts))
 
