@@ -108,6 +108,11 @@ def phases(small: bool) -> list[dict]:
                     overrides={**family, "parallel.offload_optimizer": offload},
                     depths=(1, 2) if small else (8, 16), budget_bytes=budget,
                     need_s=15 if small else 120))
+  # a mixture of experts: the accelerators' grouped matmul (jax.lax.ragged_dot, models/grouped.py)
+  # on the device, 8 experts of a quarter of the dense width, top-2
+  out.append(dict(name="llama_moe", kind="train", steps=steps, need_s=need,
+                  overrides={**llama, "model.n_experts": 8, "model.experts_per_token": 2,
+                             "model.moe_d_ff": llama["model.d_ff"] // 4}))
   return out + levers
 
 
@@ -460,6 +465,10 @@ def summarise(results: dict) -> dict:
   for k in ("largest", "largest_offload"):
     if k in ok:
       s[k] = ok[k]["largest"]
+  if "llama" in train and "llama_moe" in train:  # the mixture's active MLP is half the dense one's
+    s["moe"] = {"tokens_per_s": {"dense": train["llama"]["tokens_per_s"],
+                                 "moe": train["llama_moe"]["tokens_per_s"]},
+                "mfu": {"dense": train["llama"]["mfu"], "moe": train["llama_moe"]["mfu"]}}
   return s
 
 

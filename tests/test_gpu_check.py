@@ -84,6 +84,9 @@ def test_small_check_measures_without_the_modules_the_gpu_machine_lacks(small_re
   s = report["summary"]
   offload = load().summarise({"gpt": r, "gpt_offload": r})["offload"]
   assert set(offload) >= {"device_peak_bytes", "host_bytes_on", "step_time_cost"}
+  moe = load().summarise({"llama": r, "llama_moe": r})["moe"]
+  assert moe["tokens_per_s"] == {"dense": r["tokens_per_s"], "moe": r["tokens_per_s"]}
+  assert "llama_moe" in [spec["name"] for spec in load().phases(small=True)]
   # --small's stand-in device has 4 MiB: the search lands close under it, not just anywhere
   # that fits (the first two compiled depths, 1 and 2 layers, take about 2 MiB).
   largest = s["largest_offload"]
