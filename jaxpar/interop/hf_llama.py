@@ -1,12 +1,13 @@
 """The Llama family's config.json in and out: Llama, Mistral, Qwen2, Qwen3 and the mixtures of
 experts Mixtral, Qwen2-MoE, Qwen3-MoE, all one jaxpar kind (llama) whose options say how a layer
-differs from Llama's: q/k/v biases (model.qkv_bias), per-head q/k norms (model.qk_norm), a
-mixture (model.n_experts ...) with Qwen2-MoE's gated shared expert (model.shared_expert_gate).
+differs from Llama's: q/k/v biases (model.qkv_bias), per-head q/k norms (model.qk_norm), a head
+width other than hidden / heads (model.head_dim, Qwen3's), a mixture (model.n_experts ...) with
+Qwen2-MoE's gated shared expert (model.shared_expert_gate), in every decoder_sparse_step-th layer
+(model.moe_every).
 
-What jaxpar's layer cannot do is refused in one sentence naming the config.json key: another
-head width than hidden / heads, biases on the attention's output, rope scaling, dense layers
-between the mixtures other than every decoder_sparse_step-th layer's (mlp_only_layers); a
-decoder_sparse_step is model.moe_every. A sliding window becomes
+What jaxpar's layer cannot do is refused in one sentence naming the config.json key: biases on
+the attention's output, rope scaling, dense layers between the mixtures other than every
+decoder_sparse_step-th layer's (mlp_only_layers). A sliding window becomes
 model.max_positions, the longest sequence jaxpar then trains or decodes (where a window shorter
 than the sequence would change the attention, jaxpar has none).
 
