@@ -76,6 +76,18 @@ class ModelConfig:
   shared_expert_gate: bool = False  # sigmoid(x . w) scales the shared experts (Qwen2-MoE)
   num_classes: int = 10  # cnn only
 
+  def head_width(self) -> int:
+    """K, each attention head's width: head_dim, or d_model / n_heads where it is 0."""
+    return self.head_dim or self.d_model // self.n_heads
+
+  def is_mixture(self, layer: int) -> bool:
+    """Whether layer `layer` (from 0) is a mixture of experts: (layer + 1) % moe_every == 0."""
+    return bool(self.n_experts) and (layer + 1) % self.moe_every == 0
+
+  def mixture_layers(self) -> int:
+    """How many of the layers are mixtures of experts (0 without experts)."""
+    return self.n_layers // self.moe_every if self.n_experts else 0
+
 
 @dataclass(frozen=True)
 class DataConfig:

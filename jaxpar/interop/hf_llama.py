@@ -121,7 +121,7 @@ def architecture_of(mc) -> str:
 
 def hf_config(mc, arch: str) -> dict:
   """config.json's model keys for jaxpar's llama-kind model `mc` written as `arch`."""
-  K = mc.head_dim or mc.d_model // mc.n_heads
+  K = mc.head_width()
   out = {"architectures": [arch], "model_type": _MODEL_TYPE[arch],
          "num_hidden_layers": mc.n_layers, "hidden_size": mc.d_model,
          "num_attention_heads": mc.n_heads, "num_key_value_heads": mc.n_kv_heads or mc.n_heads,

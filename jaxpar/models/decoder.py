@@ -30,15 +30,10 @@ from jaxpar.parallel.rules import constrain
 
 # -- what both decoders' parameter stacks are built from ------------------------------------------
 
-def head_dim(cfg) -> int:
-  """A ModelConfig's K: model.head_dim, or d_model / n_heads where it is 0."""
-  return cfg.head_dim or cfg.d_model // cfg.n_heads
-
-
 def sizes(cfg) -> tuple[int, int, int, int, int, int]:
   """A ModelConfig's (L, D, F, H, G, K): layers, embed, mlp, heads, kv heads, head dim."""
   H = cfg.n_heads
-  return cfg.n_layers, cfg.d_model, cfg.d_ff, H, cfg.n_kv_heads or H, head_dim(cfg)
+  return cfg.n_layers, cfg.d_model, cfg.d_ff, H, cfg.n_kv_heads or H, cfg.head_width()
 
 
 def param_maker(rngs, dtype) -> Callable:
@@ -47,12 +42,6 @@ def param_maker(rngs, dtype) -> Callable:
   def param(shape, axes, init):
     return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes)
   return param
-
-
-def mixture_layers(cfg) -> int:
-  """How many of cfg's layers are mixtures of experts (model.moe_every: layer i is one iff
-  (i + 1) % moe_every == 0, Hugging Face's decoder_sparse_step); 0 without experts."""
-  return cfg.n_layers // cfg.moe_every if cfg.n_experts else 0
 
 
 def in_groups(parts, cfg, dense: tuple[str, ...]):
@@ -68,17 +57,9 @@ def in_groups(parts, cfg, dense: tuple[str, ...]):
     return parts
 
   def pick(p: dict, j: int) -> dict:
-    mixture = j == k - 1
-    out = {}
-    for name, v in p.items():
-      if name in moe.PARAMS:
-        if mixture:
-          out[name] = v[0]
-      elif name not in dense:
-        out[name] = v[j]
-      elif not mixture:
-        out[name] = v[j]
-    return out
+    skip = dense if j == k - 1 else moe.PARAMS  # the mixture's layer has no dense MLP, and back
+    return {name: v[0] if name in moe.PARAMS else v[j] for name, v in p.items()
+            if name not in skip}
   return replace(parts, every=k, pick=pick)
 
 
@@ -227,7 +208,7 @@ def model_def(cfg, module) -> ModelDef:
     return (*with_router_losses(loss, metrics, cfg.train), grads)
   # DESIGN's model FLOPs per token: 6 N_nonembedding + 12 L D T (causal attention counted in full;
   # its D is the heads' width H K, which model.head_dim may set apart from d_model)
-  HK = mc.n_heads * head_dim(mc)
+  HK = mc.n_heads * mc.head_width()
   flops_tok = 6 * module.n_params_nonembedding(mc) + 12 * mc.n_layers * HK * mc.seq_len
   return ModelDef(init=base.init, loss=loss_, logical=base.logical, abstract=base.abstract,
                   tokens_per_example=mc.seq_len, flops_per_example=flops_tok * mc.seq_len,

@@ -56,7 +56,7 @@ class Layers(nnx.Module):
         setattr(self, name, value)
       if cfg.moe_every == 1:
         return
-    L -= decoder.mixture_layers(cfg)  # the dense MLPs between the mixtures (decoder.in_groups)
+    L -= cfg.mixture_layers()  # the dense MLPs between the mixtures (decoder.in_groups)
     self.w1 = param((L, D, F), ("layers", "embed", "mlp"), normal(0.02))
     self.b1 = param((L, F), ("layers", "mlp"), zeros)
     self.w2 = param((L, F, D), ("layers", "mlp", "embed"), normal(proj_std))
@@ -203,7 +203,7 @@ def _qkv(p: dict, x: jax.Array, cfg: ModelConfig, manual) -> tuple[jax.Array, ..
   """Pre-norm and projections. x (B, T, D) -> q (B, T, H, K), k and v (B, T, G, K)."""
   B, T, D = x.shape
   H, G = cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
-  K = decoder.head_dim(cfg)
+  K = cfg.head_width()
   w = lambda name: p[name].astype(x.dtype)
   h = layer_norm(x, p["ln1_scale"], p["ln1_bias"])  # split along seq under sequence parallel
   if is_split("heads"):
@@ -324,8 +324,8 @@ def n_params_nonembedding(cfg: ModelConfig) -> int:
   """Parameters outside the embeddings and LM head that a token uses (the N of 6N)."""
   D, F, L = cfg.d_model, cfg.d_ff, cfg.n_layers
   G = cfg.n_kv_heads or cfg.n_heads
-  K = decoder.head_dim(cfg)
-  n_moe = decoder.mixture_layers(cfg)
+  K = cfg.head_width()
+  n_moe = cfg.mixture_layers()
   mlp = n_moe * moe.n_params(cfg, glu=False, active=True) + (L - n_moe) * (2 * D * F + F + D)
   HK = cfg.n_heads * K  # = D unless model.head_dim decouples them
   per_layer = 2 * D * HK + 2 * D * G * K + HK + G * K + D + 4 * D

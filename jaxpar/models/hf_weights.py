@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import ConfigError
-from jaxpar.models import moe
+from jaxpar.models import llama, moe
 from jaxpar.parallel.rules import path_str
 
 
@@ -119,20 +119,17 @@ def _llama_names(mc, moe_layout=QWEN_MOE) -> dict[str, tuple[str, Callable]]:
   return names
 
 
-_DENSE_MLP = ("w_gate", "w_up", "w_down")  # the Llama family's dense MLP (llama.DENSE)
-
-
 def layers_of(mc, path: str) -> range | list[int]:
   """The Hugging Face layers whose tensors jaxpar's stacked parameter `path` holds, in row
   order: every layer, or with a mixture in every k-th layer (model.moe_every, decoder_sparse_step)
   the mixtures' (i + 1) % k == 0 for its weights and the others for the dense MLP's."""
-  L, k, name = mc.n_layers, mc.moe_every, path.rsplit("/", 1)[-1]
-  if not mc.n_experts or k == 1 or not path.startswith("layers/"):
+  L, name = mc.n_layers, path.rsplit("/", 1)[-1]
+  if not mc.n_experts or mc.moe_every == 1 or not path.startswith("layers/"):
     return range(L)
   if name in moe.PARAMS:
-    return [i for i in range(L) if (i + 1) % k == 0]
-  if name in _DENSE_MLP:
-    return [i for i in range(L) if (i + 1) % k]
+    return [i for i in range(L) if mc.is_mixture(i)]
+  if name in llama.DENSE:
+    return [i for i in range(L) if not mc.is_mixture(i)]
   return range(L)
 
 

@@ -51,7 +51,7 @@ class Layers(nnx.Module):
         setattr(self, name, value)
       if cfg.moe_every == 1:
         return
-    L -= decoder.mixture_layers(cfg)  # the dense MLPs between the mixtures (decoder.in_groups)
+    L -= cfg.mixture_layers()  # the dense MLPs between the mixtures (decoder.in_groups)
     self.w_gate = param((L, D, F), ("layers", "embed", "mlp"), normal)
     self.w_up = param((L, D, F), ("layers", "embed", "mlp"), normal)
     self.w_down = param((L, F, D), ("layers", "mlp", "embed"), normal)
@@ -100,7 +100,7 @@ def _qkv(p: dict, x: jax.Array, cfg: ModelConfig, manual, positions=None) -> tup
   (B, T, G, K)."""
   B, T, D = x.shape
   H, G = cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
-  K = decoder.head_dim(cfg)
+  K = cfg.head_width()
   w = lambda name: p[name].astype(x.dtype)
   h = rms_norm(x, p["attn_norm"], cfg.norm_eps)  # split along seq under sequence parallel
   q, k, v = tensor.column_parallel(h, [w("wq"), w("wk"), w("wv")], manual)  # over heads
@@ -185,8 +185,8 @@ def n_params_nonembedding(cfg: ModelConfig) -> int:
   """Parameters outside the embedding and LM head that a token uses (the N of 6N)."""
   D, F, L = cfg.d_model, cfg.d_ff, cfg.n_layers
   G = cfg.n_kv_heads or cfg.n_heads
-  K = decoder.head_dim(cfg)
-  n_moe = decoder.mixture_layers(cfg)
+  K = cfg.head_width()
+  n_moe = cfg.mixture_layers()
   mlp = n_moe * moe.n_params(cfg, glu=True, active=True) + (L - n_moe) * 3 * D * F
   HK = cfg.n_heads * K  # = D unless model.head_dim decouples them
   attn_extra = (HK + 2 * G * K) * cfg.qkv_bias + 2 * K * cfg.qk_norm

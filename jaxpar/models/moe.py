@@ -71,7 +71,7 @@ def make_params(cfg: ModelConfig, param, glu: bool, out_std: float) -> dict:
   (L, D, E); each expert's in and out matmuls (L, E, D, F) and (L, E, F, D), SwiGLU's gate and
   up (`glu`) or GELU's one; the shared experts' dense MLP of width shared_experts x F. `param`
   is decoder.param_maker's."""
-  L, D, E, F = cfg.n_layers // cfg.moe_every, cfg.d_model, cfg.n_experts, width(cfg)
+  L, D, E, F = cfg.mixture_layers(), cfg.d_model, cfg.n_experts, width(cfg)
   normal = nnx.initializers.normal
   ins = ("e_gate", "e_up") if glu else ("e_w1",)
   out = {"router": param((L, D, E), ("layers", "embed", None), normal(0.02))}

@@ -100,53 +100,26 @@ def run_layers(layers: dict, x: jax.Array, block: Callable[..., jax.Array],
   arrive whole. With a key (`ctx.rng`, dropout) the block of layer i gets fold_in(key, i), i the
   index in this scan (the model's layer index when the whole stack is scanned at once).
   """
-  if every > 1:
-    return _run_groups(layers, x, block, ctx, remat, metrics, every, pick)
-  layer_dims = zero.shift(ctx.dims)
+  if every > 1:  # a step runs a group of `every` layers
+    layers, dims, n = groups(layers, ctx.dims, every)
+  else:
+    dims, n = ctx.dims, jax.tree_util.tree_leaves(layers)[0].shape[0]
+  step_dims = zero.shift(dims)
   layer_ctx = replace(ctx, dims=None)  # the block's weights arrive gathered
   keyed = ctx.rng is not None
+  reporting = []  # how many layers of a step report metrics (known once the body is traced)
 
   def body(carry, p_i):
     p, i = p_i
-    lctx = replace(layer_ctx, rng=jax.random.fold_in(ctx.rng, i)) if keyed else layer_ctx
-    if not metrics:
-      return block(zero.gather(p, layer_dims), carry, lctx), None
-    x, m = block(zero.gather(p, layer_dims), carry[0], lctx)
-    return (x, {k: carry[1][k] + m[k] for k in metrics}), None
-  if remat != "none":
-    body = jax.checkpoint(body, prevent_cse=False, policy=remat_policy(remat))
-  elif ctx.dims is not None:
-    body = zero.regather(body)
-  n = jax.tree_util.tree_leaves(layers)[0].shape[0]
-  init = (x, {k: jnp.zeros((), jnp.float32) for k in metrics}) if metrics else x
-  out, _ = jax.lax.scan(body, init, (layers, jnp.arange(n, dtype=jnp.uint32) if keyed else None))
-  if not metrics:
-    return out
-  return out[0], {k: v / n for k, v in out[1].items()}
-
-
-def _run_groups(layers, x, block, ctx, remat, metrics, every, pick):
-  """`run_layers` over groups of `every` layers: layer j of group g (layer g x every + j of
-  this scan) gets fold_in(key, g x every + j)."""
-  layers, dims, n = groups(layers, ctx.dims, every)
-  group_dims = zero.shift(dims)
-  layer_ctx = replace(ctx, dims=None)
-  keyed = ctx.rng is not None
-  reporting = []  # how many layers of a group report metrics (known once the body is traced)
-
-  def body(carry, p_g):
-    p, g = p_g
-    p = zero.gather(p, group_dims)
-    x, total = (carry if metrics else (carry, {}))
+    p = zero.gather(p, step_dims)
+    x, total = carry if metrics else (carry, {})
     count = 0
-    for j in range(every):
-      lctx = replace(layer_ctx, rng=jax.random.fold_in(ctx.rng, g * every + j)) if keyed \
-          else layer_ctx
-      out = block(pick(p, j), x, lctx)
-      if not metrics:
-        x = out
-        continue
-      x, m = out
+    for j in range(every):  # layer i x every + j of this scan
+      lctx = layer_ctx
+      if keyed:
+        lctx = replace(lctx, rng=jax.random.fold_in(ctx.rng, i if every == 1 else i * every + j))
+      out = block(p if every == 1 else pick(p, j), x, lctx)
+      x, m = out if metrics else (out, {})
       if m:
         total, count = {k: total[k] + m[k] for k in metrics}, count + 1
     reporting.append(count)

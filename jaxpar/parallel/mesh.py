@@ -115,7 +115,7 @@ def _moe_every_problems(mc, p: int, stages: int) -> list[str]:
   """A mixture in every k-th layer under a pipeline: each stage holds whole groups of k layers
   (its blocks of the dense and mixture weights then line up with its layers); the circular
   schedule's reorder of the stack is for layers of one kind."""
-  groups = mc.n_layers // mc.moe_every
+  groups = mc.mixture_layers()
   if stages != p:
     return [f"model.moe_every={mc.moe_every} is not supported with parallel.virtual_stages="
             f"{stages // p} (the circular schedule reorders a stack of identical layers); use 1"]

@@ -177,9 +177,8 @@ class ModelFacts:
     if n_params is not None:
       mc = cfg.model
       tokens = mc.seq_len * cfg.train.batch_size
-      heads_width = mc.n_heads * (mc.head_dim or mc.d_model // mc.n_heads)  # H K (= D unless
-      # model.head_dim decouples them)
-      attention = 12 * mc.n_layers * heads_width * mc.seq_len if mc.kind != "cnn" else 0
+      attention = 12 * mc.n_layers * mc.n_heads * mc.head_width() * mc.seq_len  # H K, not D
+      attention = attention if mc.kind != "cnn" else 0
       count, flops, experts = n_params, (6 * n_params + attention) * tokens, 0
     return ModelFacts(float(count), float(flops), float(experts))
 
@@ -216,10 +215,10 @@ def estimate(cfg: Config, lay: Layout, facts: ModelFacts, r: Rates,
     if mc.n_experts and d > 1:  # parallel/expert.py, per MoE layer: rows out and back in the fwd
       # and their transposes in the backward (a recomputed forward would add two); a buffer holds
       # d x every row of the device (dropless)
-      sent += 4 * (mc.n_layers // mc.moe_every) * (d - 1) / d * d * act * mc.experts_per_token
+      sent += 4 * mc.mixture_layers() * (d - 1) / d * d * act * mc.experts_per_token
     if c > 1:  # models/ring.py, per layer of the device's stage: the K/V ring sends (6c - 4) x
       # one device's k chunk; under a pipeline its all-gather form, 6 (c - 1) x
-      kv = act / mc.d_model * (mc.n_kv_heads or mc.n_heads) * (mc.head_dim or mc.d_model // mc.n_heads) / m
+      kv = act / mc.d_model * (mc.n_kv_heads or mc.n_heads) * mc.head_width() / m
       sent += mc.n_layers / p * (6 * (c - 1) if p > 1 else 6 * c - 4) * kv
     if m > 1:  # Megatron: two all-reduces forward and two backward per layer
       sent += 4 * (mc.n_layers / p) * 2 * (m - 1) / m * act
