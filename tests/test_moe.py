@@ -140,7 +140,8 @@ def layer_params(cfg, glu, seed=0):
 
 
 def reference(p, h, cfg, glu):
-  """Every expert on every token, combined with a one-hot of the router's choices: (B, T, D)."""
+  """Every expert on every token, combined with a one-hot of the router's choices: (B, T, D),
+  and the share of the (token, choice) rows the capacity dropped."""
   B, T, D = h.shape
   E, k = cfg.n_experts, cfg.experts_per_token
   x = np.asarray(h, np.float64).reshape(-1, D)
@@ -152,12 +153,14 @@ def reference(p, h, cfg, glu):
   w = np.take_along_axis(probs, chosen, 1)
   if cfg.router_softmax == "after_topk":
     w = w / w.sum(1, keepdims=True)
+  dropped = 0
   if cfg.capacity_factor:  # an expert keeps its first C rows in (token, choice) order
     C = int(np.ceil(cfg.capacity_factor * chosen.size / E))
     seen = np.zeros(E, int)
     for n, j in np.ndindex(*chosen.shape):
       e = chosen[n, j]
       w[n, j] *= seen[e] < C
+      dropped += seen[e] >= C
       seen[e] += 1
   silu = lambda a: a / (1 + np.exp(-a))
   gelu = lambda a: np.asarray(jax.nn.gelu(jnp.asarray(a)), np.float64)
@@ -172,22 +175,29 @@ def reference(p, h, cfg, glu):
     gate = np.sum(np.where(chosen == e, w, 0.0), 1)  # (N,): the one-hot combine
     y += gate[:, None] * ffn(x, "e_", e)
   if cfg.shared_experts:
-    y += ffn(x, "s_")
-  return y.reshape(B, T, D)
+    shared = ffn(x, "s_")
+    if cfg.shared_expert_gate:  # Qwen2-MoE's: sigmoid(x . w) per token
+      shared *= 1 / (1 + np.exp(-(x @ p["shared_gate"])))[:, None]
+    y += shared
+  return y.reshape(B, T, D), dropped / chosen.size
 
 
-@pytest.mark.parametrize("glu", [True, False], ids=["swiglu", "gelu"])
+# SwiGLU with the shared experts' gate (Qwen2-MoE's), GELU without
+@pytest.mark.parametrize("glu", [True, False], ids=["swiglu-gated", "gelu"])
 @pytest.mark.parametrize("softmax", ["after_topk", "before_topk"])
-@pytest.mark.parametrize("capacity", [0.0, 0.5])
+@pytest.mark.parametrize("capacity", [0.0, 0.45])
 def test_moe_mlp_matches_a_dense_loop_over_experts(glu, softmax, capacity):
-  cfg = make_cfg(f"model.router_softmax={softmax}", f"model.capacity_factor={capacity}").model
+  cfg = make_cfg(f"model.router_softmax={softmax}", f"model.capacity_factor={capacity}",
+                 f"model.shared_expert_gate={glu}").model
   p = layer_params(cfg, glu)
+  assert ("shared_gate" in p) == glu
   h = jax.random.normal(jax.random.key(1), (2, 16, cfg.d_model))
   y, metrics = jax.jit(lambda p, h: moe.mlp(p, h, cfg))(p, h)
-  want = reference(p, h, cfg, glu)
+  want, dropped = reference(p, h, cfg, glu)
   assert np.linalg.norm(np.asarray(y, np.float64) - want) <= RTOL * np.linalg.norm(want)
-  if capacity:  # half the average load drops something, which the reference drops too
-    assert float(metrics["moe_dropped"]) > 0.1
+  if capacity:  # C = ceil(0.45 x 64 / 8) = ceil(3.6) = 4 rows an expert (3 if floored): under
+    # half the average load drops something, the rows the reference drops
+    assert float(metrics["moe_dropped"]) == pytest.approx(dropped, abs=1e-6) and dropped > 0.1
 
 
 def test_router_metrics_against_their_definitions():
