@@ -1,7 +1,8 @@
 """Mixture of experts (models/moe.py, parallel/expert.py): the dropless MLP against a plain-JAX
 reference, capacity mode against dropless, every expert-parallel layout against one device
 (losses and first-step gradients, 1e-5 relative in float32; under remat full and dots_saveable,
-and under the GPipe, 1F1B and circular schedules, one with a context axis), the compiled step's
+and under the GPipe, 1F1B and circular schedules, one with a context axis; with a capacity factor,
+against the same mesh with the experts whole on each device), the compiled step's
 all-to-alls, and bad input as one sentence.
 
 Tiny shapes: 2 layers, d_model 32, 8 experts, top-2, one shared expert, sequence 16.
@@ -291,12 +292,13 @@ def test_grouped_matmul_temporaries_do_not_grow_with_the_experts():
 
 # -- expert parallelism against one device --------------------------------------------------------
 
-def train(cfg, shape, data):
+def train(cfg, shape, data, rules=None):
   """Per-step losses, the last step's metrics and the first step's gradients (host numpy, in the
   model's layer order)."""
   n = int(np.prod(shape))
   jmesh.check(shape, cfg, n)
-  t = Trainer(cfg, jmesh.make(shape, jax.devices()[:n]), jmodel.gpt(cfg), expose_grads=True)
+  t = Trainer(cfg, jmesh.make(shape, jax.devices()[:n]), jmodel.gpt(cfg), expose_grads=True,
+              rules=rules)
   state = t.init(cfg.train.seed)
   losses, grads = [], None
   back = None if t.layer_order is None else np.argsort(t.layer_order)  # circular: stage order
@@ -346,6 +348,25 @@ def test_expert_parallel_layout_matches_one_device(references, kind, shape, stag
     np.testing.assert_allclose(metrics[name], ref_metrics[name], rtol=RTOL, err_msg=name)
   assert_trees_close(grads, ref_grads, "gradient")
   assert ref_metrics["moe_aux_loss"] > 0 and ref_metrics["moe_max_load"] >= 1
+
+
+def test_capacity_with_two_experts_a_device_matches_the_experts_whole_on_each():
+  """A capacity factor caps an expert at C = ceil(f x A / E) of each device's A rows, so the
+  reference is the same data-parallel mesh with every expert whole on each device (no exchange):
+  the experts split 4 ways, two a device, give its losses, router metrics and gradients. At
+  f = 1 (C = 8 of 64 rows) some rows drop, and an owner may take up to 2 C of a sender's rows:
+  its buffer must hold C x E/d rows, not C."""
+  from jaxpar.parallel import rules
+  cfg = make_cfg("model.capacity_factor=1.0")
+  data = batches(cfg, 2)
+  ref_losses, ref_metrics, ref_grads = train(cfg, (4, 1, 1), data,
+                                             rules=rules.extended({"expert": None}))
+  losses, metrics, grads = train(cfg, (4, 1, 1), data)
+  np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+  for name in ROUTER_METRICS + ("moe_dropped",):
+    np.testing.assert_allclose(metrics[name], ref_metrics[name], rtol=RTOL, err_msg=name)
+  assert_trees_close(grads, ref_grads, "gradient")
+  assert ref_metrics["moe_dropped"] > 0.01
 
 
 # the accelerators' path (jax.lax.ragged_dot, grouped.RAGGED_DOT_ON_CPU) through whole steps: the
