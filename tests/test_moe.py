@@ -22,7 +22,7 @@ from test_equivalence import assert_trees_close, batches
 from jaxpar import config
 from jaxpar.analysis import hlo
 from jaxpar.config import ConfigError
-from jaxpar.models import grouped, moe
+from jaxpar.models import gpt, grouped, llama, moe
 from jaxpar.models import registry as jmodel
 from jaxpar.parallel import mesh as jmesh
 from jaxpar.train.step import Trainer
@@ -199,6 +199,27 @@ def test_moe_mlp_matches_a_dense_loop_over_experts(glu, softmax, capacity):
   if capacity:  # C = ceil(0.45 x 64 / 8) = ceil(3.6) = 4 rows an expert (3 if floored): under
     # half the average load drops something, the rows the reference drops
     assert float(metrics["moe_dropped"]) == pytest.approx(dropped, abs=1e-6) and dropped > 0.1
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_the_active_parameters_and_flops_count_k_experts_a_token(kind):
+  """The N of 6N FLOPs per token (DESIGN: 6 N + 12 L H K T) is what a token uses: the built
+  model's parameters outside the embeddings and LM head, less the E - k experts of each mixture
+  layer it skips (here 4 layers, a mixture in every second, 8 experts of width 24, top-2, a
+  shared expert; Qwen2-MoE's shared gate on the llama)."""
+  full = make_cfg(f"model.kind={kind}", "model.moe_d_ff=24", *EVERY,
+                  f"model.shared_expert_gate={kind == 'llama'}")
+  cfg, model = full.model, jmodel.decoder(full)
+  sizes = {name: math.prod(a.shape) for name, a in model.abstract["layers"].items()}
+  sizes.update({name: math.prod(a.shape) for name, a in model.abstract.items() if name != "layers"})
+  experts = sum(n for name, n in sizes.items() if name.startswith("e_"))  # 2 layers x 8 experts
+  assert experts == 2 * 8 * (3 if kind == "llama" else 2) * 32 * 24
+  total = sum(n for name, n in sizes.items() if name not in ("wte", "wpe", "head"))
+  active = total - experts * (8 - 2) // 8
+  module = {"gpt": gpt, "llama": llama}[kind]
+  assert module.n_params_nonembedding(cfg) == active
+  T, L, D = cfg.seq_len, cfg.n_layers, cfg.d_model
+  assert model.flops_per_example == (6 * active + 12 * L * D * T) * T
 
 
 def test_router_metrics_against_their_definitions():
