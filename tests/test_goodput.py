@@ -17,6 +17,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from output_fields import undocumented
 
 from jaxpar import config
 from jaxpar.parallel import watchdog
@@ -195,7 +196,8 @@ def test_spikes_beyond_max_rollbacks_stop_the_run_in_one_sentence(tmp_path, monk
 # -- goodput ----------------------------------------------------------------------------------------
 
 def test_the_summary_splits_the_wall_time_and_reports_goodput(tmp_path):
-  cfg = config.load(None, SPIKE + ["train.eval_every=2", "train.eval_steps=1", "checkpoint.every=2"])
+  cfg = config.load(None, SPIKE + ["train.eval_every=2", "train.eval_steps=1", "checkpoint.every=2",
+                                   "train.spike_factor=3"])  # the guard's fields in the summary
   metrics = tmp_path / "m.jsonl"
   logged = []
   result = loop.run(cfg, (8, 1, 1), str(tmp_path / "wd"), str(metrics), steps=4, progress=False,
@@ -215,6 +217,8 @@ def test_the_summary_splits_the_wall_time_and_reports_goodput(tmp_path):
   line = [l for l in logged[-1].splitlines() if l.startswith("time: wall ")]
   assert len(line) == 1 and f"compile {parts['compile']:.3g} (cache {s['compile_cache']})" in line[0]
   assert line[0].endswith(f"goodput {100 * s['goodput']:.1f}%")
+  # docs/output.md names every field and line this run (eval, spike guard, goodput) writes
+  assert undocumented(records(metrics), logged[-1]) == []
 
 
 # -- a stalled step ---------------------------------------------------------------------------------

@@ -259,6 +259,8 @@ def test_the_metrics_file_holds_each_experts_load(tmp_path):
     assert all(isinstance(x, float) and x >= 0 for x in shares) and abs(sum(shares) - 1) < 1e-5
     # means over the 2 layers: the busiest share of the mean, at most the mean of the busiest
     assert 1 < max(shares) * 8 <= r["moe_max_load"] + 1e-6
+  from output_fields import undocumented
+  assert undocumented(rows) == []  # docs/output.md names the router's fields
 
 
 def test_capacity_that_drops_nothing_equals_dropless():

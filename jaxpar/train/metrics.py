@@ -179,6 +179,10 @@ def _human_bytes(n: float) -> str:
   return f"{n:.2f} TiB"
 
 
+# The page that explains every line of the summary and every field of a metrics row.
+OUTPUT_PAGE = "docs/output.md"
+
+
 def format_summary(summary: dict[str, Any]) -> str:
   """Multi-line human-readable summary of a run; known keys are spelled out, the rest listed."""
   s = _plain(summary)
@@ -211,6 +215,7 @@ def format_summary(summary: dict[str, Any]) -> str:
   for k, v in s.items():
     if k not in known:
       lines.append(f"{k}: {v:.6g}" if isinstance(v, float) else f"{k}: {v}")
+  lines.append(f"what each line means: {OUTPUT_PAGE}")
   return "\n".join(lines)
 
 
