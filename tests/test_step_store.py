@@ -334,6 +334,23 @@ def test_an_untrusted_cache_folder_is_refused_with_one_note(tmp_path, monkeypatc
   # A secret others may read proves nothing: no store, one note.
   store.chmod(0o700)
   assert executables.store_folder(str(store.parent), notes.append) == str(store)
+  # Another user's folder, mode 0700, is theirs to plant in: not used (root gives it away; any
+  # other user runs as someone else for a moment).
+  me = os.getuid()
+  with monkeypatch.context() as m:
+    if me == 0:
+      owner = 4242
+      os.chown(store, owner, -1)
+    else:
+      owner, me = me, me + 1
+      m.setattr(executables.os, "getuid", lambda: me)
+    notes.clear()
+    assert executables.store_folder(str(store.parent), notes.append) is None
+    assert executables.load(str(store), "a" * 64, (), [], say=notes.append) is None
+  assert not (tmp_path / "ran").exists()
+  assert len(notes) == 2 and all(f"the folder {store} belongs to user id {owner}, not to this "
+                                 f"user ({me})" in n for n in notes), notes
+  os.chown(store, os.getuid(), -1)
   assert own_secret.stat().st_mode & 0o777 == 0o600
   own_secret.chmod(0o644)
   monkeypatch.setattr(executables, "_secret", None)
