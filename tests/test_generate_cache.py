@@ -193,8 +193,10 @@ def test_bad_options_are_one_sentence(model):
                     (dict(max_new_tokens=-1), "--max-new-tokens=-1 must be between 0 and ")):
     with pytest.raises(config.ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
       sampler.sample_tokens([[0, 1]], **{"max_new_tokens": 4, **kw})
-  with pytest.raises(config.ConfigError, match="prompt token 300 is not in the model's vocabulary"):
-    sampler.sample_tokens([[0, 300]], 4)
+  for bad in (300, 256, -1):  # the vocabulary is 0 to 255: its size is one past it
+    with pytest.raises(config.ConfigError, match=rf"^prompt token {bad} is not in the model's "
+                                                 rf"vocabulary \(0 to 255\)$"):
+      sampler.sample_tokens([[0, 255], [0, bad]], 4)
 
 
 def test_generate_script_refuses_bad_options_before_loading(tmp_path, capsys):
