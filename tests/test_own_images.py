@@ -146,6 +146,36 @@ def test_an_image_folder_builds_and_trains_with_the_guides_commands(tmp_path, ca
   assert code == 0 and "steps: 3" in capsys.readouterr().out
 
 
+def test_a_folders_labels_are_its_sorted_class_folders_in_a_shuffled_order(tmp_path, capsys):
+  """Each class folder holds images of one colour: label i of the stored dataset is the i-th
+  class folder in sorted order, by its name and its colour; a folder read class by class is
+  stored shuffled, the validation it holds out drawn from every class."""
+  import tensorflow_datasets as tfds
+  from PIL import Image
+  colours = {"blue": (0, 0, 255), "green": (0, 255, 0), "red": (255, 0, 0)}  # sorted
+  folder = tmp_path / "colours"
+  for name, rgb in colours.items():
+    (folder / name).mkdir(parents=True)
+    for i in range(8):
+      Image.fromarray(np.full((4, 4, 3), rgb, np.uint8)).save(folder / name / f"{i}.png")
+  code, _, err = _build(capsys, "images", folder, "--data-dir", tmp_path / "data", "--name",
+                        "colours", "--validation", "0.25")
+  assert code == 0 and "18 train and 6 validation images of 4x4x3, 3 classes" in err, err
+  names = tfds.builder("local_images/colours", data_dir=str(tmp_path / "data")).info.features[
+      "label"].names
+  assert names == list(colours)
+  ds = tfds_source.open_dataset("local_images/colours", str(tmp_path / "data"))
+  labels = {}
+  for split in ("train", "validation"):
+    source = tfds_source.data_source(ds, split)
+    rows = [source[i] for i in range(len(source))]
+    for r in rows:
+      assert tuple(r["image"][0, 0]) == colours[names[int(r["label"])]]
+    labels[split] = [int(r["label"]) for r in rows]
+  assert sorted(labels["train"] + labels["validation"]) == [0] * 8 + [1] * 8 + [2] * 8
+  assert labels["train"] != sorted(labels["train"]) and len(set(labels["validation"])) > 1
+
+
 def _one_error(code, err):
   lines = [line for line in err.splitlines() if line.strip()]
   assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
