@@ -91,6 +91,15 @@ def test_a_changed_folder_is_rebuilt_and_a_gone_one_keeps_its_build(text_dir, tm
   data = str(tmp_path / "data")
   first = local_text.read_texts(local_text.prepare(data, str(text_dir), max_bytes=0))
   capfd.readouterr()
+  # rewritten at the same size (another content, a later mtime): rebuilt
+  a = text_dir / "a.txt"
+  was = a.stat()
+  a.write_text("ALPHA LINE\n", encoding="utf-8")
+  os.utime(a, ns=(was.st_atime_ns, was.st_mtime_ns + 5_000_000_000))
+  assert a.stat().st_size == was.st_size
+  same_size = local_text.read_texts(local_text.prepare(data, str(text_dir), max_bytes=0))
+  assert "rebuilding it" in capfd.readouterr().err
+  assert b"ALPHA LINE\n" in same_size and b"alpha line\n" not in same_size
   (text_dir / "a.txt").write_text("alpha, edited\n", encoding="utf-8")
   (text_dir / "new.txt").write_text("a new file\n", encoding="utf-8")
   texts = local_text.read_texts(local_text.prepare(data, str(text_dir), max_bytes=0))
