@@ -261,6 +261,23 @@ def test_a_folder_with_a_tokenizer_fine_tunes_on_its_tokens(tmp_path):
     assert cfg.data.tokenizer == ""
 
 
+def test_a_bare_tokenizer_json_exports_with_its_end_of_text(tmp_path):
+  """A run whose tokenizer folder holds only tokenizer.json: export --hf writes a
+  tokenizer_config.json beside it, and transformers' AutoTokenizer on the export knows the run's
+  end-of-text id (as eos and bos) and encodes as the run did."""
+  from jaxpar.interop import generate
+  folder, out = tmp_path / "tok", tmp_path / "out"
+  folder.mkdir()
+  out.mkdir()
+  write_tokenizer(folder)
+  codec = generate.Codec(config.load(None, [f"data.tokenizer={folder}"]))
+  assert hf.write_tokenizer(codec, str(out), T) == ["tokenizer.json", "tokenizer_config.json"]
+  tok = transformers.AutoTokenizer.from_pretrained(str(out))
+  assert tok.eos_token_id == tok.bos_token_id == codec.eos == 2
+  assert tok("the cat sat")["input_ids"] == codec.encode("the cat sat")[1:].tolist() == [3, 4, 5]
+  assert tok.model_max_length == T
+
+
 @pytest.mark.parametrize("breakage,words", [
     ("arch", ["config.json", "architecture", "BertModel"]),
     ("missing", ["has no tensor", "model.layers.1.mlp.up_proj.weight"]),
