@@ -323,19 +323,24 @@ def test_synthetic_data_serves_any_batch_and_a_file_is_not_a_data_folder(tmp_pat
 
 def test_local_text_with_a_tokenizers_file(text_dir, tmp_path):
   """data.tokenizer on a folder of text files: every document's ids, then its end-of-text id,
-  packed into the windows the batches take (as a Hugging Face model's own tokenizer would)."""
+  packed into the windows the batches take (as a Hugging Face model's own tokenizer would); the
+  tokenizer's own special tokens (a BOS before each text, here) are not added."""
   from collections import Counter
 
   from tokenizers import Tokenizer
   from tokenizers import models as tok_models
-  from tokenizers import pre_tokenizers, trainers
+  from tokenizers import pre_tokenizers, processors, trainers
 
   from jaxpar import config
   from jaxpar.config import ConfigError
   from jaxpar.data import make_loader
   tok = Tokenizer(tok_models.WordLevel(unk_token="[UNK]"))
   tok.pre_tokenizer = pre_tokenizers.Whitespace()
-  tok.train_from_iterator(DOCS.values(), trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>"]))
+  tok.train_from_iterator(DOCS.values(),
+                          trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>", "<s>"]))
+  bos = tok.token_to_id("<s>")
+  tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+  assert tok.encode("alpha").ids[0] == bos
   folder = tmp_path / "hf"
   folder.mkdir()
   tok.save(str(folder / "tokenizer.json"))
@@ -351,6 +356,7 @@ def test_local_text_with_a_tokenizers_file(text_dir, tmp_path):
   seen = [tuple(row) for _ in range(it.steps_per_epoch) for row in it.next()["tokens"]]
   # every window at most once in an epoch (the remainder past the last whole batch dropped)
   assert len(rows) - len(seen) < 2 and not Counter(seen) - Counter(rows)
+  assert bos not in {t for row in seen for t in row}
   it.close()
   with pytest.raises(ConfigError, match="data.tokenizer needs model.vocab_size >= "):
     make_loader(config.load(None, base + [f"data.tokenizer={folder}", "model.vocab_size=4"]),
