@@ -91,19 +91,24 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-  source: str = "local_text"  # local_text | images | tfds | synthetic
+  source: str = "local_text"  # local_text | jsonl | images | tfds | synthetic
   name: str = ""  # TFDS dataset name when source=tfds
   split: str = "train"  # the split trained on
   # local_text, images: built there, "" = <workdir>/data; tfds: "" = TFDS's default
   data_dir: str = ""
   # local_text: a folder of text files, "" = this Python's standard library; images: a folder of
-  # class subfolders of images (PNG, JPEG, ...) or an .npz of images and labels (docs/data.md)
+  # class subfolders of images (PNG, JPEG, ...) or an .npz of images and labels (docs/data.md);
+  # jsonl: a folder of <split>.jsonl files of prompt/completion or messages records
+  # (docs/fine-tune-data.md)
   path: str = ""
   image_size: str = ""  # images: resize every image to HxW (or SIDE) pixels; "" = as they are
   max_bytes: int = 8_000_000  # local_text: cap on bytes read from the folder (0 = no cap)
   eval_split: str = "validation"  # split evaluated every train.eval_every steps
   augment: bool = False  # images: random flips and 4-pixel crops of training batches
   tokenizer: str = ""  # text: a `tokenizers` file (tokenizer.json) or a folder with one; "" = bytes
+  # jsonl: a record longer than a window (model.seq_len + 1 tokens) is refused (refuse) or cut
+  # into window-long pieces, each packed as a record of its own (split)
+  long_records: str = "refuse"
   # tfds: background threads reading and transforming batches; local_text and synthetic: any
   # N > 0 is one thread reading two batches ahead (0 = everything in the loop)
   workers: int = 2
@@ -217,7 +222,8 @@ class Config:
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _CHOICES = {
-    "data.source": ("local_text", "images", "tfds", "synthetic"),
+    "data.source": ("local_text", "jsonl", "images", "tfds", "synthetic"),
+    "data.long_records": ("refuse", "split"),
     "parallel.schedule": ("gpipe", "circular", "1f1b"),
     "parallel.remat": ("none", "full", "dots_saveable", "offload"),
     "parallel.context_attention": ("auto", "ring", "allgather"),
@@ -433,7 +439,7 @@ def with_folder_tokenizer(cfg: Config) -> Config:
   and text is read without one: a model fine-tunes on its own tokens, as generation and
   export --hf speak them. Synthetic data stays byte tokens."""
   folder = cfg.model.init_from
-  if (folder and not cfg.data.tokenizer and cfg.data.source in ("local_text", "tfds")
+  if (folder and not cfg.data.tokenizer and cfg.data.source in ("local_text", "jsonl", "tfds")
       and os.path.isfile(os.path.join(folder, "tokenizer.json"))):
     return _apply(cfg, "data.tokenizer", folder)
   return cfg

@@ -57,7 +57,8 @@ def synthetic_windows(seq_len: int, seed: int, n: int = SYNTHETIC_WINDOWS) -> np
 class _Plan:
   """Which rows of `windows` make batch (epoch, position) for one process; caches one epoch.
 
-  `windows` is an array [N, seq_len + 1] or a `TokenWindows`, which reads only the rows asked for.
+  `windows` is an array [N, seq_len + 1] or a `TokenWindows`, which reads only the rows asked for,
+  or a `jsonl.PackedRecords`, whose rows are dicts of such arrays.
   """
 
   def __init__(self, windows, global_batch, seed, process_index, process_count):
@@ -81,7 +82,12 @@ class _Plan:
     """This process's contiguous share of global batch `position`: [local, seq_len + 1] int32."""
     start = position * self.global_batch + self.offset
     rows = self.order(epoch)[start:start + self.local]
-    return self.windows[rows].astype(np.int32)
+    return self.take(rows)
+
+  def take(self, rows: np.ndarray):
+    """Windows `rows`: [len(rows), seq_len + 1] int32, or a dict of such arrays."""
+    out = self.windows[rows]
+    return out if isinstance(out, dict) else out.astype(np.int32)
 
   def whole(self) -> int:
     """Batches that cover every window once, the last one padded (`padded`)."""
@@ -97,7 +103,7 @@ class _Plan:
     rows = self._full[start:start + self.local]
     weight = (np.arange(self.local) < len(rows)).astype(np.float32)
     rows = np.concatenate([rows, np.full(self.local - len(rows), self._full[0], rows.dtype)])
-    return self.windows[rows].astype(np.int32), weight
+    return self.take(rows), weight
 
   def after(self, epoch: int, position: int) -> tuple[int, int]:
     position += 1
@@ -225,7 +231,8 @@ class BatchIterator:
 def make_batches(data_cfg, seq_len: int, global_batch: int, seed: int, workdir: str,
                  process_index: int = 0, process_count: int = 1, split: str = "train",
                  prefetch: int = 2, tokenizer=None) -> BatchIterator:
-  """Iterator over data_cfg.source: batches [global_batch // process_count, seq_len + 1] int32.
+  """Iterator over data_cfg.source: batches [global_batch // process_count, seq_len + 1] int32
+  (jsonl: dicts of them, jsonl.PackedRecords' rows).
 
   local_text's documents are bytes, or the ids of `tokenizer` (a `tokenizers.Tokenizer`), each
   ended by its end-of-text id."""
@@ -242,11 +249,19 @@ def make_batches(data_cfg, seq_len: int, global_batch: int, seed: int, workdir: 
     windows = (TokenWindows(source, "text", seq_len, end_of_text_id(tokenizer), tokenizer)
                if tokenizer is not None else TokenWindows(source, "text", seq_len, SEPARATOR))
     what = f"local_text split {split!r} ({builder.builder_config.description})"
+  elif data_cfg.source == "jsonl":
+    from jaxpar.data import jsonl  # reads JSON Lines; transformers or jinja2 for chat templates
+    encoder = jsonl.Encoder(tokenizer, data_cfg.tokenizer if tokenizer is not None else "")
+    windows = jsonl.PackedRecords(jsonl.split_file(data_cfg.path, split), seq_len, encoder,
+                                  split_long=data_cfg.long_records == "split")
+    what = (f"jsonl split {split!r} ({windows.records} records, {windows.tokens} tokens, "
+            f"{windows.padding():.1%} padding)")
   elif data_cfg.source == "tfds":
     raise ValueError("data.source=tfds is not supported yet by make_batches, which yields token "
                      "arrays; make_loader reads it")
   else:
-    raise ValueError(f"unknown data.source {data_cfg.source!r}; use local_text or synthetic")
+    raise ValueError(f"unknown data.source {data_cfg.source!r}; use local_text, jsonl or "
+                     f"synthetic")
   if len(windows) < global_batch:
     raise ValueError(f"{what} yields {len(windows)} windows of seq_len + 1 = {seq_len + 1} tokens, "
                      f"fewer than one global batch of {global_batch}.")
@@ -254,24 +269,31 @@ def make_batches(data_cfg, seq_len: int, global_batch: int, seed: int, workdir: 
 
 
 class TokenBatches:
-  """A BatchIterator's batches as {'tokens': [global_batch // process_count, seq_len + 1] int32}."""
+  """A BatchIterator's batches as {'tokens': [global_batch // process_count, seq_len + 1] int32}
+  (and, from jsonl, 'segment_ids' int32 and 'loss_mask' float32 of that shape)."""
 
   def __init__(self, it: BatchIterator):
     self._it = it
     self.steps_per_epoch = it.steps_per_epoch
     plan = it._plan
-    self.element_spec = {"tokens": ((plan.local, plan.windows.shape[1]), np.dtype(np.int32))}
+    self.element_spec = (plan.windows.element_spec(plan.local)
+                         if hasattr(plan.windows, "element_spec") else
+                         {"tokens": ((plan.local, plan.windows.shape[1]), np.dtype(np.int32))})
 
   def next(self) -> dict:
-    return {"tokens": self._it.next()}
+    return self._as_dict(self._it.next())
+
+  @staticmethod
+  def _as_dict(batch) -> dict:
+    return batch if isinstance(batch, dict) else {"tokens": batch}
 
   @property
   def whole_split_steps(self) -> int:
     return self._it.whole_split_steps
 
   def padded_batch(self, position: int) -> tuple[dict, np.ndarray]:
-    tokens, weight = self._it.padded_batch(position)
-    return {"tokens": tokens}, weight
+    batch, weight = self._it.padded_batch(position)
+    return self._as_dict(batch), weight
 
   def __iter__(self):
     return self
@@ -311,10 +333,10 @@ def make_loader(cfg, workdir: str, process_index: int = 0, process_count: int = 
                       f"image dataset such as cifar10")
   tokenizer = None
   if cfg.data.tokenizer:
-    if cfg.data.source != "local_text":
-      raise ConfigError(f"data.tokenizer applies to text files (data.source=local_text) and TFDS "
-                        f"text; data.source={cfg.data.source} gives byte tokens (unset "
-                        f"data.tokenizer)")
+    if cfg.data.source not in ("local_text", "jsonl"):
+      raise ConfigError(f"data.tokenizer applies to text files (data.source=local_text or "
+                        f"jsonl) and TFDS text; data.source={cfg.data.source} gives byte tokens "
+                        f"(unset data.tokenizer)")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
   vocab = tokenizer.get_vocab_size() if tokenizer is not None else VOCAB_SIZE
   if cfg.model.vocab_size < vocab:  # an id past the embedding would make the loss NaN
@@ -380,4 +402,8 @@ def batch_spec(cfg) -> dict:
   if cfg.model.kind == "cnn":
     return {"image": ((b, *image_shape(cfg.data)), np.dtype(np.float32)),
             "label": ((b,), np.dtype(np.int32))}
-  return {"tokens": ((b, cfg.model.seq_len + 1), np.dtype(np.int32))}
+  shape = (b, cfg.model.seq_len + 1)
+  if cfg.data.source == "jsonl":  # packed records: which record each token is of, and answers
+    return {"tokens": (shape, np.dtype(np.int32)), "segment_ids": (shape, np.dtype(np.int32)),
+            "loss_mask": (shape, np.dtype(np.float32))}
+  return {"tokens": (shape, np.dtype(np.int32))}
