@@ -247,27 +247,26 @@ QUOTED = [
     ("docs/parallelism.md", "| V·M | {} → {} → {} MiB |",
      lambda: [r(pipe("circular", m), 1) for m in (4, 8, 16)]),
     # long context
-    ("docs/long-context.md", "{} / {} / {} / {} MiB of temporaries at T 1024 / 2048 / 4096 / 8192",
-     lambda: [r(long_ctx("blockwise", T) / MiB, 0) for T in (1024, 2048, 4096, 8192)]),
-    ("docs/long-context.md", "the matmul form needs {} MiB / {} GiB / {} GiB / {} GiB ({}-{}x per "
-     "doubling against {}-{}x)", matmul_form),
-    ("docs/long-context.md", "trains {}x, {}x and {}x the tokens/s at T 1k, 2k and 4k",
-     lambda: [r(x["speedup_wall"], 1) for x in ref("long_context")["speed"]]),
-    ("docs/long-context.md", "{} / {} / {} MiB per step for the default model at T 4096, batch {}, "
-     "C 2 / 4 / 8",
-     lambda: [r(ctx("context_parallel", C)["collective_permute_bytes"] / MiB, 0) for C in C248]
-     + [str(ref("context_parallel")["batch"])]),
-    ("docs/long-context.md", "at T 4096: {} MiB at C = 1, {} MiB (x{}) at C = 2, {} MiB (x{}) at "
-     "C = 4, {} MiB (x{}) at C = 8", ring_temps),
+    *[("docs/long-context.md", f"| {T} | {{}} MiB | {{}} {unit} | {{}}x |",
+       lambda i=i, T=T: [r(long_ctx("blockwise", T) / MiB, 0), matmul_form()[i],
+                    r(ref("long_context")["speed"][i]["speedup_wall"], 1)])
+      for i, (T, unit) in enumerate([(1024, "MiB"), (2048, "GiB"), (4096, "GiB")])],
+    ("docs/long-context.md", "| 8192 | {} MiB | {} GiB | |",
+     lambda: [r(long_ctx("blockwise", 8192) / MiB, 0), matmul_form()[3]]),
+    ("docs/long-context.md", "({}-{}x per doubling against {}-{}x.)", lambda: matmul_form()[4:]),
+    ("docs/long-context.md", "| 1 | 0 | {} MiB |", lambda: ring_temps()[:1]),
+    *[("docs/long-context.md", f"| {C} | {{}} MiB | {{}} MiB (x{{}}) |",
+       lambda i=i, C=C: [r(ctx("context_parallel", C)["collective_permute_bytes"] / MiB, 0)]
+       + ring_temps()[1 + 2 * i:3 + 2 * i]) for i, C in enumerate(C248)],
+    ("docs/long-context.md", "The ring at T 4096, batch {} ", lambda: [str(ref("context_parallel")["batch"])]),
     ("docs/long-context.md", "Against a {} MiB budget per device (compiled peak) the longest T is "
      "{} at C = 1, {} at C = 2 and 4 ({} needs {} MiB there), {} at C = 8", longest),
     ("docs/long-context.md", "reports a {} MiB peak, `--mesh 1x1x1x4` {} MiB",
      lambda: [r(ctx("context_parallel", C)["peak_bytes"] / MiB, 0) for C in (1, 4)]),
-    ("docs/long-context.md", "({} / {} / {} MiB per step at C = 2 / 4 / 8), temporaries {} / {} / "
-     "{}x C = 1's, tokens per CPU second {} / {} / {}x", allgather),
-    ("docs/long-context.md", "at C = 2 / 4 / 8 are {} / {} / {}x C = 1's at T 1024, {} / {} / {}x "
-     "at T 4096 and {} / {} / {}x at T 8192",
-     lambda: [r(speed("context_parallel", T, C)) for T in (1024, 4096, 8192) for C in C248]),
+    *[("docs/long-context.md", f"| {C} | {{}} MiB | {{}}x | {{}}x |",
+       lambda i=i: allgather()[i::3]) for i, C in enumerate(C248)],
+    *[("docs/long-context.md", f"| {T} | {{}}x | {{}}x | {{}}x |",
+       lambda T=T: [r(speed("context_parallel", T, C)) for C in C248]) for T in (1024, 4096, 8192)],
     # speed
     ("docs/performance.md", "**{}** (per window {}–{}; {} per CPU second), jaxpar {} tokens/s, "
      "torch {}; with `JAXPAR_HOST_MALLOC=off` {} ({}–{})", vs_pytorch),
@@ -285,16 +284,19 @@ QUOTED = [
     ("docs/performance.md", "At 1.2× torch the step has {} ms; its products alone need {} (4 × {}), "
      "which leaves {} ms for the {} ms (4 × {})", step_at_target),
     # generation, restarts
-    ("docs/generation.md", "load average of {} from other work): {} tokens/s with the cache against "
-     "{} without, {}x (median {}x; {}x per CPU-second", generation),
-    ("docs/checkpoints.md", "a load average of {} at the start and {} at the end",
+    ("docs/generation.md", "load average {} from other work | {} tokens/s | {} tokens/s | {}x (median "
+     "{}x; {}x per CPU-second", generation),
+    ("docs/checkpoints.md", "| 2-core CPU, 2026-12-06, load {}-{} |",
      lambda: [r(ref("startup")["load_average_at_start"][0], 1),
               r(ref("startup")["load_average_at_end"][0], 1)]),
-    ("docs/checkpoints.md", "restart against cold: compile {}x ({}-{}x), time to first step {}x "
-     "({}-{}x), start-up {}x; a new run in another workdir {}x, {}x and {}x",
-     lambda: startup("default")),
-    ("docs/checkpoints.md", "`configs/gpt_medium.yaml` on 8x1x1 (batch 8): {}x ({}-{}x), {}x "
-     "({}-{}x) and {}x; a new run {}x, {}x and {}x", lambda: startup("gpt_medium")),
+    ("docs/checkpoints.md", "| default, 2x4x1 ZeRO-3 | restart | {}x ({}-{}x) | {}x ({}-{}x) | {}x |",
+     lambda: startup("default")[:7]),
+    ("docs/checkpoints.md", "| default, 2x4x1 ZeRO-3 | new workdir | {}x | {}x | {}x |",
+     lambda: startup("default")[7:]),
+    ("docs/checkpoints.md", "| `configs/gpt_medium.yaml`, 8x1x1, batch 8 | restart | {}x ({}-{}x) | "
+     "{}x ({}-{}x) | {}x |", lambda: startup("gpt_medium")[:7]),
+    ("docs/checkpoints.md", "| `configs/gpt_medium.yaml`, 8x1x1, batch 8 | new workdir (initialises "
+     "its state) | {}x | {}x | {}x |", lambda: startup("gpt_medium")[7:]),
 ]
 
 
