@@ -136,9 +136,10 @@ def test_logits_match_transformers(folders, name, layout):
   assert loss == pytest.approx(cross_entropy(want, toks[:, 1:]), rel=RTOL)
 
 
-def _checkpoint_of(folder, workdir):
+def _checkpoint_of(folder, workdir, extra=()):
   """A jaxpar checkpoint at step 0 holding the folder's weights (what a run starts from)."""
-  cfg = config.load(None, [f"model.init_from={folder}", f"model.seq_len={T}", f"train.batch_size={B}"], base=hf.model_overrides)
+  cfg = config.load(None, [f"model.init_from={folder}", f"model.seq_len={T}", f"train.batch_size={B}",
+                           *extra], base=hf.model_overrides)
   t = Trainer(cfg, jmesh.make((1, 1, 1), jax.devices()[:1]), jmodel.decoder(cfg))
   state = t.init_with(hf.load_params(folder, cfg.model, t.model.abstract, t.state_shardings["params"]))
   with checkpoint.Checkpointer(os.path.join(workdir, "checkpoints"), keep=1, every=0) as ckpt:
@@ -220,7 +221,7 @@ def test_fine_tune_from_a_folder_trains(folders, tmp_path, monkeypatch):
   assert r.returncode == 0, r.stderr
   m, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
   assert not info["missing_keys"] and not info["unexpected_keys"]
-  assert m.config.eos_token_id == m.config.bos_token_id == 2  # the folder tokenizer's end of text
+  assert m.config.eos_token_id == m.config.bos_token_id == 0  # the folder's, kept
   # and its tokenizer beside the weights: the folder's files, a tokenizer_config.json made for it
   assert "the run's tokenizer (tokenizer.json, tokenizer_config.json, special_tokens_map.json)" in r.stdout
   assert json.loads((out / "special_tokens_map.json").read_text()) == special
@@ -310,3 +311,49 @@ def test_malformed_folder_is_one_sentence_and_exit_2(tmp_path, capsys, breakage,
   assert all(w in errors[0] for w in words), errors[0]
   assert "Traceback" not in err
   assert not (workdir / "checkpoints").exists()
+
+
+def test_export_keeps_every_field_of_the_folder_the_run_did_not_change(tmp_path, capsys):
+  """A folder with its own token ids, a longer max_position_embeddings than the run's seq_len,
+  rope parameters beyond jaxpar's, transformers 4's torch_dtype and a generation_config.json:
+  exported after a run that changed nothing, every field of both files is the folder's (compared
+  as JSON values: json.load of each file, key by key); after a run that changed the rotary base
+  and trained on another tokenizer, exactly those fields differ, and the summary line names them."""
+  from jaxpar.commands import export as export_command
+  folder = tmp_path / "src"
+  llama_folder(folder, 4, 2, 32)
+  write_tokenizer(str(folder))
+  c = json.loads((folder / "config.json").read_text())
+  c.update(bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=128,
+           torch_dtype="float32", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                   "original_max_position_embeddings": 64})
+  del c["dtype"]
+  (folder / "config.json").write_text(json.dumps(c))
+  g = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "max_length": 40,
+       "do_sample": True, "temperature": 0.7, "top_p": 0.9}
+  (folder / "generation_config.json").write_text(json.dumps(g))
+
+  _checkpoint_of(str(folder), tmp_path / "wd")
+  assert export_command.main(["--workdir", str(tmp_path / "wd"), "--hf", str(tmp_path / "out")]) == 0
+  assert "(the run changed none)" in capsys.readouterr().out
+  out = json.loads((tmp_path / "out" / "config.json").read_text())
+  assert {k: out.get(k) for k in c} == c
+  assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == g
+
+  other = tmp_path / "other"  # another tokenizer (its end of text: 2)
+  other.mkdir()
+  write_tokenizer(str(other))
+  _checkpoint_of(str(folder), tmp_path / "wd2", ["model.rope_theta=20000", f"data.tokenizer={other}"])
+  assert export_command.main(["--workdir", str(tmp_path / "wd2"), "--hf", str(tmp_path / "out2")]) == 0
+  line = capsys.readouterr().out
+  out = json.loads((tmp_path / "out2" / "config.json").read_text())
+  changed = {k for k in c if out[k] != c[k]}
+  assert changed == {"bos_token_id", "rope_parameters"}, changed
+  assert out["rope_parameters"] == {**c["rope_parameters"], "rope_theta": 20000.0}
+  assert out["bos_token_id"] == out["eos_token_id"] == 2  # the run's tokenizer's end of text
+  for words in ("rope_parameters.rope_theta: 10000.0 -> 20000.0", "bos_token_id: 1 -> 2",
+                "generation_config.json bos_token_id: 1 -> 2"):
+    assert words in line, line
+  assert json.loads((tmp_path / "out2" / "generation_config.json").read_text()) == {
+      **g, "bos_token_id": 2}
+

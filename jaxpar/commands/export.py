@@ -25,16 +25,31 @@ def main(argv=None) -> int:
     from jaxpar.interop import export  # imports JAX: only once the outputs are known to be writable
     if args.hf:
       from jaxpar.interop import hf  # only --hf needs the Hugging Face interop
-      config = hf.export(args.workdir, args.hf, args.step)
+      done = hf.export(args.workdir, args.hf, args.step)
       tokenizer = [n for n in hf.TOKENIZER_FILES if os.path.isfile(os.path.join(args.hf, n))]
-      print(f"wrote {args.hf}/model.safetensors and config.json ({config['architectures'][0]})"
-            + (f", and the run's tokenizer ({', '.join(tokenizer)})" if tokenizer else ""))
+      print(f"wrote {args.hf}/model.safetensors, config.json"
+            + (", generation_config.json" if done.generation_config else "")
+            + f" ({done.config['architectures'][0]})"
+            + (f", and the run's tokenizer ({', '.join(tokenizer)})" if tokenizer else "")
+            + _kept(done))
       return 0
     info = export.export(args.workdir, args.out, args.step)
     print(f"wrote {args.out} ({info['n_tensors']} tensors, {info['n_params']:,} parameters, "
           f"step {info['step']}) and {export.config_path(args.out)}")
     return 0
   return cli.guard(body, args.debug, exit_on_signal=True)
+
+
+def _kept(done) -> str:
+  """The summary's last words: what of the model.init_from folder's fields the run changed."""
+  if done.note:
+    return f"; {done.note}"
+  if not done.source:
+    return ""
+  if not done.changed:
+    return f"; every field of {done.source}'s configs kept (the run changed none)"
+  return (f"; every field of {done.source}'s configs kept but what the run changed: "
+          + ", ".join(done.changed))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ rotary / position conventions that jaxpar's decoders share, so nothing is permut
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -141,9 +142,24 @@ def _qwen2_moe_fill(mc) -> dict[str, tuple[list[str], Callable]]:
   return out
 
 
-def export(workdir: str, out_dir: str, step: int | None = None) -> dict:
-  """Writes `out_dir`/model.safetensors and config.json from a jaxpar checkpoint; returns the
-  config. Tensors are written one at a time; at most the three q/k/v parameters are held."""
+@dataclasses.dataclass
+class Exported:
+  """What `export` wrote: config.json's content, whether a generation_config.json was written,
+  the `model.init_from` folder it kept the fields of (None: a run from scratch, or a folder no
+  longer there: `note` says so), and the fields the run changed ('key: old -> new')."""
+  config: dict
+  generation_config: bool = False
+  source: str | None = None
+  changed: list[str] = dataclasses.field(default_factory=list)
+  note: str = ""
+
+
+def export(workdir: str, out_dir: str, step: int | None = None) -> Exported:
+  """Writes `out_dir`/model.safetensors and config.json from a jaxpar checkpoint (and the
+  `model.init_from` folder's generation_config.json, when it has one). Every field of the
+  folder's config.json and generation_config.json that the run did not change is written as it
+  was (`keep_source`). Tensors are written one at a time; at most the three q/k/v parameters are
+  held."""
   directory, step = checkpoint_step(workdir, step)
   made = not os.path.exists(out_dir)
   try:
@@ -191,18 +207,94 @@ def _export(directory: str, step: int, out_dir: str, cfg) -> dict:
   os.makedirs(out_dir, exist_ok=True)
   write_safetensors(shapes, lambda n: tensors[n][1](*[param(p) for p in tensors[n][0]]),
                     os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
-  hf = hf_config(mc, cfg)
-  path = os.path.join(out_dir, "config.json")
-  with writes(path), open(path, "w") as f:
-    json.dump(hf, f, indent=2)
-    f.write("\n")
+  done = keep_source(cfg)
+  for name, content in (("config.json", done.config),
+                        ("generation_config.json", done.generation_config)):
+    if content:
+      path = os.path.join(out_dir, name)
+      with writes(path), open(path, "w") as f:
+        json.dump(content, f, indent=2)
+        f.write("\n")
   write_tokenizer(Codec(cfg), out_dir, mc.max_positions or mc.seq_len)
-  return hf
+  return dataclasses.replace(done, generation_config=bool(done.generation_config))
+
+
+_RENDERED = object()  # a source value the run's rendering never equals: compared with the file's
+
+
+def keep_source(cfg) -> Exported:
+  """config.json (and generation_config.json: `generation_config`, a dict or None) for the run
+  `cfg`: jaxpar's rendering of its model (`hf_config`), where the run started from a
+  `model.init_from` folder merged into that folder's files, so a field the run did not change is
+  the folder's, byte for byte as JSON values (token ids, max_position_embeddings, rope
+  parameters, torch_dtype, architectures, anything jaxpar does not read).
+
+  A field counts as changed where jaxpar renders it differently for the run's model than for the
+  folder's own (what `model_overrides` reads from it: a `--set` of a model key shows here), and
+  the rendering differs from the file's value; dicts are merged key by key. Beyond that: the token
+  ids change when the run's tokens are not the folder's tokenizer's (another data.tokenizer,
+  bytes); the dtype when the tensors are written in another than the file names; the longest
+  position when the run trained on more positions than the file says."""
+  mc = cfg.model
+  ours = hf_config(mc, cfg)
+  folder = mc.init_from
+  if not folder:
+    return Exported(ours)
+  path = os.path.join(folder, "config.json")
+  if not os.path.isfile(path):
+    return Exported(ours, note=f"{path} is gone: config.json is jaxpar's rendering of the model")
+  source = _read_json(path)
+  mc_source = dataclasses.replace(mc, **model_overrides(folder))
+  base = hf_config(mc_source, dataclasses.replace(cfg, model=mc_source))
+  codec = Codec(cfg)
+  own_tokens = bool(codec.path) and os.path.abspath(codec.path) == os.path.abspath(
+      os.path.join(folder, "tokenizer.json"))
+  tokens = ("bos_token_id", "eos_token_id")
+  if not own_tokens:
+    base.update({k: _RENDERED for k in tokens})
+  base["dtype"] = _RENDERED  # the tensors' dtype against what the file says
+  if "dtype" not in source and "torch_dtype" in source:  # transformers 4's name for it
+    ours["torch_dtype"] = ours.pop("dtype")
+    base["torch_dtype"] = _RENDERED
+  changed: list[str] = []
+  config = _merged(source, ours, base, changed, "")
+  for key in ("max_position_embeddings", "n_positions"):  # never fewer than the run trained on
+    if key in ours and isinstance(config.get(key), int) and config[key] < ours[key]:
+      changed.append(f"{key}: {config[key]} -> {ours[key]}")
+      config[key] = ours[key]
+  generation = None
+  gpath = os.path.join(folder, "generation_config.json")
+  if os.path.isfile(gpath):
+    generation = _read_json(gpath)
+    for key in tokens if not own_tokens else ():
+      if key in generation and generation[key] != ours[key]:
+        changed.append(f"generation_config.json {key}: {generation[key]!r} -> {ours[key]!r}")
+        generation[key] = ours[key]
+  return Exported(config, generation, folder, changed)
+
+
+def _merged(source: dict, ours: dict, base: dict, changed: list[str], prefix: str) -> dict:
+  """`source` with each of `ours`' fields that the run changed (ours != base, and != source):
+  those are named in `changed`; fields only jaxpar writes are added, the rest left as they are."""
+  out = dict(source)
+  for key, value in ours.items():
+    if key not in source:
+      out[key] = value
+    elif value == base.get(key) or value == source[key]:
+      continue
+    elif isinstance(value, dict) and isinstance(source[key], dict):
+      out[key] = _merged(source[key], value, base.get(key) if isinstance(base.get(key), dict)
+                         else {}, changed, f"{prefix}{key}.")
+    else:
+      changed.append(f"{prefix}{key}: {source[key]!r} -> {value!r}")
+      out[key] = value
+  return out
 
 
 # What a Hugging Face folder's tokenizer is made of; export --hf copies those the run's has.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model")
+                   "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model",
+                   "chat_template.jinja", "chat_template.json")
 
 
 def write_tokenizer(codec: Codec, out_dir: str, max_length: int) -> list[str]:
