@@ -43,9 +43,14 @@ def docs() -> list[str]:
 def commands(doc: str) -> list[str]:
   """`python scripts/...` lines of the doc's bash blocks and table cells, in order, plus its
   marked examples."""
+  return commands_in((ROOT / doc).read_text())
+
+
+def commands_in(text: str) -> list[str]:
+  """commands() of a doc's text, or of a part of it."""
   out = []
   for block in re.finditer(r"```bash\n(.*?)```|<!-- example: ([\w-]+) -->|^\|[^\n]*?\| `(python scripts/[^`]+)` \|",
-                           (ROOT / doc).read_text(), re.S | re.M):
+                           text, re.S | re.M):
     if block.group(2):
       out.append(f"example:{block.group(2)}")
       continue

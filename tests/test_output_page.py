@@ -4,6 +4,7 @@ import pathlib
 import re
 
 from output_fields import named, undocumented
+from test_docs import commands_in
 
 from jaxpar.train import metrics
 
@@ -30,6 +31,41 @@ def paragraphs(text: str) -> list[tuple[int, int]]:
   if n:
     out.append((start, n))
   return out
+
+
+def test_no_paragraph_of_a_guide_runs_past_the_stated_lines():
+  long = [f"{p.relative_to(ROOT)}:{start} ({n} lines)"
+          for p in sorted((ROOT / "docs").glob("*.md"))
+          for start, n in paragraphs(p.read_text()) if n > PARAGRAPH_LINES]
+  assert not long, f"paragraphs over {PARAGRAPH_LINES} lines: {long}"
+
+
+def test_the_paragraph_count_sees_a_long_paragraph_and_a_long_list_item():
+  text = "# t\n\n" + "word\n" * 9 + "\n- item\n" + "  more\n" * 9 + "\n```\n" + "code\n" * 20 + "```\n"
+  assert [n for _, n in paragraphs(text)] == [9, 10]
+
+
+# Pages whose walkthroughs show commands the docs test cannot run as they stand: lookups rather
+# than tasks (a refusal, the test suite), and the Hugging Face download, which needs the
+# internet. docs/config.md is generated from config.py.
+NO_SCRIPT_WALKTHROUGH = {"contributing.md", "troubleshooting.md", "huggingface.md"}
+FIRST_SCREEN = 40  # lines: a guide's first command is on its first screen
+
+
+def test_every_guide_opens_with_a_walkthrough_whose_commands_the_docs_test_runs():
+  for page in sorted((ROOT / "docs").glob("*.md")):
+    if page.name == "config.md":
+      continue
+    text = page.read_text()
+    sections = re.split(r"^## ", text, flags=re.M)
+    assert sections[1].startswith("Walkthrough"), f"{page.name}: the first section is not a walkthrough"
+    if page.name in NO_SCRIPT_WALKTHROUGH:
+      continue
+    runs = commands_in(sections[1])
+    assert runs, f"{page.name}: its walkthrough has no command the docs test runs"
+    first = runs[0].split(":")[1] if runs[0].startswith("example:") else runs[0]
+    line = next(i for i, l in enumerate(text.splitlines(), 1) if first in l)
+    assert line <= FIRST_SCREEN, f"{page.name}: its first command is on line {line}"
 
 
 def test_the_summary_text_points_to_the_page_and_each_line_is_named():
