@@ -328,11 +328,13 @@ def best_fit_decreasing(lengths: np.ndarray, width: int) -> list[list[int]]:
 class PackedRecords:
   """A JSONL split packed into windows [n, seq_len + 1], read when indexed.
 
+  packed=False puts one record in each window (the baseline benchmarks/packing.py measures).
   Indexing by an int array gives {'tokens' int32, 'segment_ids' int32, 'loss_mask' float32},
   each [len(rows), seq_len + 1]. Safe to index from several threads.
   """
 
-  def __init__(self, file: str, seq_len: int, encoder: Encoder, split_long: bool = False):
+  def __init__(self, file: str, seq_len: int, encoder: Encoder, split_long: bool = False,
+               packed: bool = True):
     self.file, self.encoder, self.width = file, encoder, seq_len + 1
     offsets, counts, answers = [0], [], 0
     with open(file, "rb") as f:
@@ -357,7 +359,8 @@ class PackedRecords:
     pieces = [(int(k), s, min(self.width, int(self._counts[k]) - s))
               for k in lines.tolist() for s in range(0, int(self._counts[k]), self.width)]
     self._pieces = np.asarray(pieces, np.int64).reshape(-1, 3)
-    self._rows = best_fit_decreasing(self._pieces[:, 2], self.width)
+    self._rows = (best_fit_decreasing(self._pieces[:, 2], self.width) if packed else
+                  [[p] for p in range(len(pieces))])  # one record a row: what packing saves
     self.records, self.answer_tokens = len(lines), answers
     self.tokens = int(self._pieces[:, 2].sum())
     self.n = len(self._rows)
