@@ -148,11 +148,12 @@ class TrainConfig:
   # evaluations, and for later steps the larger of 60 s and 10x the longest wait between steps.
   stall_timeout: float = 0.0
   first_step_timeout: float = 0.0  # the same limit for the first step, saves and evaluations
-  # With several processes, a save, an evaluation or the first step may wait long on the others;
-  # such a wait ends early (before its limit) only once a process's heartbeat has stood still
-  # this long, naming it. 0 = the default, 60 s: a pause of tens of seconds (swap, a VM
-  # migration) survives, and a dead process is named before JAX's coordination service gives up
-  # on it (its heartbeat timeout, 100 s by default: jaxpar-launch --heartbeat-timeout).
+  # With several processes, a wait on the others (a step's collectives, a save at orbax's
+  # barriers, an evaluation) ends early, before its limit, once a process's heartbeat has stood
+  # still this long, naming it. 0 = the default, 0.3 x the heartbeat timeout JAX is given (60 s of
+  # jaxpar's 200 s: --heartbeat-timeout); at most 0.4 x it: JAX's coordination service aborts
+  # every process for a silent one from half its heartbeat timeout on. A pause shorter than this
+  # (swap, a VM migration) is waited out.
   peer_timeout: float = 0.0
   # Compiled programs kept on disk, so a restart or a second run of the same layout loads its step
   # instead of compiling it: "" = none if $JAX_ENABLE_COMPILATION_CACHE is false, else

@@ -290,7 +290,7 @@ def test_a_stopped_peer_is_named_by_the_others_and_the_launcher_and_the_run_resu
   assert p.returncode == 1 and elapsed < 40, (elapsed, err)
   assert "[0] jaxpar watchdog: process 0 of 2 made no progress for" in err
   rank0 = [l for l in err.splitlines() if l.startswith("[0] error:")]
-  # (stopped in a save, it is named sooner, by the wait on the peers, in its own words)
+  # (stopped for train.peer_timeout=4 s, it is named sooner than the limit, in its own words)
   assert len(rank0) == 1 and "error: process 1 stopped answering: " in rank0[0], err
   launcher = [l for l in err.splitlines() if l.startswith("[launcher] process 1 stopped answering")]
   assert len(launcher) == 1 and "said process 0" in launcher[0], err
@@ -313,7 +313,16 @@ def test_the_new_keys_are_checked_and_the_watchdog_limits_default_as_documented(
   assert tc.spike_factor == 0  # the guard is off unless asked for
   assert watchdog.stall_limits(tc, None) == (900.0, 60.0)
   assert watchdog.stall_limits(tc, 9.0) == (900.0, 90.0)
-  assert watchdog.peer_timeout(tc) == 60.0 < watchdog.DEFAULT_HEARTBEAT_TIMEOUT
+  # JAX declares a silent process dead from half its heartbeat timeout on (its client beats
+  # every half of it): the default names it well before, and more than 0.4 of it is refused.
+  assert watchdog.DEFAULT_HEARTBEAT_TIMEOUT == 200
+  assert watchdog.peer_timeout(tc, 200) == 60.0 < 200 / 2
+  assert watchdog.peer_timeout(tc, 100) == 30.0 and watchdog.peer_timeout(tc, 20) == 6.0
+  watchdog.check_peer_timeout(config.load(None, ["train.peer_timeout=80"]).train, 200)
+  with pytest.raises(config.ConfigError, match=r"train\.peer_timeout=60 must be at most 40 s with a "
+                     r"heartbeat timeout of 100 s \(--heartbeat-timeout\): JAX's coordination "
+                     r"service aborts every process for a silent one from 50 s on"):
+    watchdog.check_peer_timeout(config.load(None, ["train.peer_timeout=60"]).train, 100)
   tc = config.load(None, ["train.stall_timeout=5", "train.first_step_timeout=50"]).train
   assert watchdog.stall_limits(tc, 9.0) == (50.0, 5.0)
 
@@ -338,11 +347,10 @@ class _Store:
     return [(f"{prefix}0", str(self.n)), (f"{prefix}1", str(mine))]
 
 
-def watched(monkeypatch, store, overrides, slow=True, peers=True, watch_s=1.5, first=False):
+def watched(monkeypatch, store, overrides, slow=True, watch_s=1.5, first=False):
   """Runs a watchdog of process 0 of 2 over `store` for `watch_s` seconds in a wait marked as
-  given (beats of 0.05 s, the wait on the peers read from 0.2 s on); the exit codes it took."""
+  given (beats of 0.05 s, the peers' counters read at each); the exit codes it took."""
   monkeypatch.setattr(watchdog, "_BEAT_S", 0.05)
-  monkeypatch.setattr(watchdog, "_PEERS_AFTER_S", 0.2)
   exits = []
 
   def exit_(code):
@@ -353,7 +361,7 @@ def watched(monkeypatch, store, overrides, slow=True, peers=True, watch_s=1.5, f
   dog.pi, dog.pc, dog.client, dog._stop = 0, 2, store, threading.Event()
   if not first:
     dog.first_step_done()
-  dog.at(7, "saving the checkpoint of step 7", slow=slow, peers=peers)
+  dog.at(7, "saving the checkpoint of step 7" if slow else "dispatching step 7", slow=slow)
   threading.Timer(watch_s, dog._stop.set).start()
   try:
     dog._watch()  # returns when stopped
@@ -362,29 +370,31 @@ def watched(monkeypatch, store, overrides, slow=True, peers=True, watch_s=1.5, f
   return exits
 
 
-@pytest.mark.parametrize("still_for, peers, ends", [
-    (math.inf, True, True),  # a dead peer, in a wait on the peers: named after peer_timeout
+@pytest.mark.parametrize("still_for, slow, ends", [
+    (math.inf, True, True),  # a dead peer, in a save: named after peer_timeout
     (0.0, True, False),  # every peer beats
-    (math.inf, False, False),  # a wait not marked: the limit decides (600 s here)
+    (math.inf, False, True),  # between steps too, though the limit (600 s here) is far
     (0.5, True, False)])  # a pause shorter than peer_timeout is waited out
 def test_a_peer_silent_during_a_save_ends_the_process_only_after_the_peer_timeout(
-    monkeypatch, capfd, still_for, peers, ends):
-  """A save meets the other processes at orbax's barriers, where a dead peer is noticed only at the
-  coordination service's heartbeat timeout: a wait marked `peers` reads the others' heartbeat
-  counters from 2 s into it (0.2 s here, and beats of 0.05 s) and ends once one has stood still
-  for train.peer_timeout (0.8 s here), naming it; a live peer, a peer paused for less, or a wait
-  not so marked goes on."""
+    monkeypatch, capfd, still_for, slow, ends):
+  """A save meets the other processes at orbax's barriers, where a dead peer is noticed only by
+  the coordination service, which aborts everyone for it from half its heartbeat timeout on; a
+  step's collectives may wait past that too when the steady limit is long. The watchdog reads
+  the others' heartbeat counters every beat (0.05 s here) and a wait ends once one has stood
+  still for train.peer_timeout (0.8 s here), naming it; a live peer or a peer paused for less
+  is waited for."""
   t0 = time.monotonic()
   exits = watched(monkeypatch, _Store(0.0, still_for),
-                  ["train.stall_timeout=600", "train.peer_timeout=0.8"], peers=peers, watch_s=2.5)
+                  ["train.stall_timeout=600", "train.peer_timeout=0.8"], slow=slow, watch_s=2.5)
   if not ends:
     assert exits == []
     return
   assert exits == [1] and 0.8 < time.monotonic() - t0 < 2.5
   err = capfd.readouterr().err.strip().splitlines()
+  what = "saving the checkpoint of step 7" if slow else "dispatching step 7"
   assert re.match(r"error: process 1 stopped answering: step 7 made no progress for \d+ s \(its "
                   r"heartbeat stood still for train\.peer_timeout=0\.8 s while this process waited "
-                  r"in: saving the checkpoint of step 7\); stopping", err[-1]), err[-1]
+                  rf"in: {what}\); stopping", err[-1]), err[-1]
 
 
 def test_the_heartbeat_beats_through_jaxs_shutdown_and_is_joined_after_it(monkeypatch):
@@ -432,43 +442,77 @@ def test_saves_and_evaluations_wait_the_first_step_limit_and_steps_the_steady_on
   # A slow wait (a save, an evaluation) of 1 s is within the first-step limit (900 s) though past
   # train.stall_timeout=0.5; the same wait between steps is not.
   alive = _Store()
-  assert watched(monkeypatch, alive, ["train.stall_timeout=0.5"], slow=True, peers=False,
+  assert watched(monkeypatch, alive, ["train.stall_timeout=0.5"], slow=True,
                  watch_s=1.2) == []
-  assert watched(monkeypatch, alive, ["train.stall_timeout=0.5"], slow=False, peers=False,
+  assert watched(monkeypatch, alive, ["train.stall_timeout=0.5"], slow=False,
                  watch_s=1.2) == [1]
   assert watched(monkeypatch, alive, ["train.stall_timeout=5", "train.first_step_timeout=0.5"],
-                 slow=True, peers=False, watch_s=1.2) == [1]
+                 slow=True, watch_s=1.2) == [1]
 
 
-def test_an_8_s_pause_of_a_process_during_saves_is_waited_out(tmp_path):
-  # Two processes save every step; process 1 is stopped (SIGSTOP) for 8 s once checkpoints are
-  # being written, then continued. With train.stall_timeout=120 the job waits and finishes.
+HEARTBEAT_S = 30  # JAX's heartbeat timeout in the pause tests: 0.15 of jaxpar's 200 s
+
+
+@pytest.mark.parametrize("pause_s, survives", [(4.5, True), (13.5, False)])
+def test_a_pause_of_a_process_during_saves_is_waited_out_or_named_before_jax_aborts(
+    tmp_path, pause_s, survives):
+  """Two processes save every step, on a machine kept busy by two spinning processes beside
+  them from the pause on; process 1 is stopped (SIGSTOP) once steps are logged, for `pause_s`. JAX's
+  heartbeat timeout is 30 s here (JAXPAR_HEARTBEAT_TIMEOUT), 0.15 of jaxpar's default, so
+  train.peer_timeout is 9 s, and JAX's coordination service may abort everyone from 15 s into a
+  pause on: 4.5 s is 30 s and 13.5 s is 90 s at the defaults. A 4.5 s pause is waited out and the
+  run finishes. Through a longer one, process 0 names process 1 in one sentence and exits 1
+  (never JAX's abort, exit 134) before 15 s, and the launcher kills process 1, still stopped."""
   import signal
   metrics, out_file, err_file = tmp_path / "m.jsonl", tmp_path / "out", tmp_path / "err"
   cmd = [sys.executable, LAUNCH, "--processes", "2", "--", TRAIN, "--mesh", "2x1x1",
          "--workdir", str(tmp_path / "wd"), "--metrics-file", str(metrics), "--no-progress",
-         "--set", *TINY, "train.steps=14", "checkpoint.every=1", "train.stall_timeout=120"]
+         "--set", *TINY, "train.steps=8", "checkpoint.every=1", "train.stall_timeout=120"]
+  env = {**child_env(), "JAXPAR_HEARTBEAT_TIMEOUT": str(HEARTBEAT_S)}
   with open(out_file, "w") as out, open(err_file, "w") as err:
-    p = subprocess.Popen(cmd, stdout=out, stderr=err, env=child_env(), cwd=ROOT)
+    p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=ROOT)
+  busy = []
   try:
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and p.poll() is None:
-      if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+      if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
         break
       time.sleep(0.01)
     assert p.poll() is None, err_file.read_text()
     pid = int(re.search(r"process 1 as pid (\d+)", err_file.read_text())[1])
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     os.kill(pid, signal.SIGSTOP)
-    time.sleep(8)
-    assert p.poll() is None, err_file.read_text()  # the others waited for it
-    os.kill(pid, signal.SIGCONT)
+    t0, named = time.monotonic(), None
+    # a long pause lasts until the job ends (continued, process 1 would meet no coordinator)
+    while p.poll() is None and time.monotonic() - t0 < (pause_s if survives else 2 * HEARTBEAT_S):
+      if named is None and "[0] error: " in err_file.read_text():
+        named = time.monotonic() - t0
+      time.sleep(0.05)
+    stopped_for = time.monotonic() - t0
+    if p.poll() is None:
+      os.kill(pid, signal.SIGCONT)
     p.wait(timeout=180)
   finally:
+    for q in busy:
+      q.kill()
     if p.poll() is None:
       p.kill()
-  assert p.returncode == 0, err_file.read_text()
-  rows = records(metrics)
-  assert rows[-1]["final"] and rows[-1]["steps"] == 14
+  err = err_file.read_text()
+  assert "detected fatal errors" not in err and "heartbeat timeout" not in err, err
+  if survives:
+    assert p.returncode == 0 and stopped_for >= pause_s, err
+    rows = records(metrics)
+    assert rows[-1]["final"] and rows[-1]["steps"] == 8
+    return
+  # named before JAX could abort (from 15 s into the pause on), and the job ended
+  assert p.returncode == 1 and named is not None and named < HEARTBEAT_S / 2, (
+      p.returncode, named, stopped_for, err)
+  rank0 = [l for l in err.splitlines() if l.startswith("[0] error:")]
+  assert len(rank0) == 1 and re.match(
+      r"\[0\] error: process 1 stopped answering: step \d+ made no progress for \d+ s \(its "
+      r"heartbeat stood still for train\.peer_timeout=9 s while this process waited in: ",
+      rank0[0]), err
+  assert "process 1 ended with signal SIGKILL" in err, err
 
 
 def test_a_peak_measured_for_the_same_devices_is_taken_and_another_is_measured(monkeypatch):

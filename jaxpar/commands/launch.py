@@ -74,8 +74,9 @@ class Prefixer:
   different processes do not interleave.
   """
 
-  def __init__(self, prefix: bytes):
+  def __init__(self, prefix: bytes, drop=None):
     self.prefix = prefix
+    self.drop = drop  # drop(line) -> True: a whole line left out
     self.pending = b""  # an unfinished line, not yet passed on
     self.open = False  # the current segment's prefix is already out
     self.after_cr = False  # the current segment follows a '\r'
@@ -91,6 +92,8 @@ class Prefixer:
       if not seg.endswith((b"\r", b"\n")) and not self.after_cr:
         self.pending = seg
         break
+      if self.drop is not None and not self.open and seg.endswith(b"\n") and self.drop(seg):
+        continue
       out.append(self._segment(seg))
     text = b"".join(out)
     if text:
@@ -115,15 +118,20 @@ class Prefixer:
     return text
 
 
+# What gloo (CPU collectives) prints for every connection it makes: tens of lines per run.
+GLOO = re.compile(rb"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of "
+                  rb"connected peer ranks is : (\d+)\s*")
+
+
 # The sentence a process's watchdog ends with when others stopped answering (jaxpar.parallel.distributed).
 STALLED = re.compile(rb"error: (process(?:es)? [\d, ]+?)(?:, which runs the coordinator,)? "
                      rb"stopped answering: (step \d+ made no progress for \d+ s)")
 
 
-def _pump(stream, out, prefix: bytes, lock: threading.Lock, seen=None) -> None:
+def _pump(stream, out, prefix: bytes, lock: threading.Lock, seen=None, drop=None) -> None:
   """Copies `stream` to `out` as it arrives, every line and redrawn line prefixed; `seen(text)`
-  gets every piece passed on."""
-  prefixer = Prefixer(prefix)
+  gets every piece passed on, and a whole line `drop(line)` is true of is left out."""
+  prefixer = Prefixer(prefix, drop)
   while True:
     data = stream.read1(65536)  # whatever is there: a progress bar never ends its line
     text = prefixer.feed(data) if data else prefixer.close()
@@ -165,6 +173,7 @@ class Launcher:
     self.ended_lock = threading.Lock()  # not `lock`, which output holds while it writes
     self.interrupted = None
     self.stalls: dict[int, tuple[str, str]] = {}  # rank -> (who stopped answering, how long)
+    self.gloo = 0  # gloo's connection lines left out (each as expected)
 
   def say(self, text: str) -> None:
     with self.lock:
@@ -181,12 +190,22 @@ class Launcher:
       for stream, out in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer)):
         seen = (lambda text, rank=rank: self._seen(rank, text)) if stream is p.stderr else None
         t = threading.Thread(target=_pump, args=(stream, out, f"[{rank}] ".encode(), self.lock,
-                                                 seen), daemon=True)
+                                                 seen, self._gloo), daemon=True)
         t.start()
         self.threads.append(t)
       threading.Thread(target=self._watch, args=(rank, p), daemon=True).start()
     self.say("started " + ", ".join(f"process {r} as pid {p.pid}"
                                     for r, p in enumerate(self.procs)))
+
+  def _gloo(self, line: bytes) -> bool:
+    """Whether `line` is one of gloo's connection lines that says all is as expected (counted,
+    and said in one line at the end); one that found fewer peers than expected is passed on."""
+    m = GLOO.fullmatch(line)
+    if m is None or m[1] != m[2]:
+      return False
+    with self.ended_lock:
+      self.gloo += 1
+    return True
 
   def _seen(self, rank: int, text: bytes) -> None:
     m = STALLED.search(text)
@@ -251,9 +270,12 @@ class Launcher:
           failed = sorted((t, r, code) for r, (t, code) in self.ended.items() if code != 0)
         if failed:
           first = failed[0][1:]
-          # Processes that fail together (e.g. the same bad config) need not be stopped.
+          # Processes that fail together (e.g. the same bad config) need not be stopped; a
+          # stopped one (SIGSTOP) cannot end by itself and is not waited for: continued, it
+          # would meet a coordinator that is gone.
           settle = time.monotonic() + 1.0
-          while time.monotonic() < settle and self.still_running():
+          while (time.monotonic() < settle and self.still_running()
+                 and not all(self._stopped(r) for r in self.still_running())):
             time.sleep(0.05)
           running = self.still_running()
           if running:
@@ -273,6 +295,9 @@ class Launcher:
       time.sleep(0.05)
     for t in self.threads:
       t.join(timeout=5)
+    if self.gloo:
+      self.say(f"gloo made {self.gloo} connection{'s' if self.gloo > 1 else ''} between the "
+               f"processes, each to all the peers it expected (its lines are left out)")
     if first is None:  # all ended well; stopped by a signal, the shell's code for it
       return 128 + signal.Signals[self.interrupted] if self.interrupted else 0
     rank, code = first

@@ -11,6 +11,7 @@ from jaxpar.commands import cli
 from jaxpar.config import ConfigError
 from jaxpar.parallel import distributed
 from jaxpar.parallel import mesh as jmesh
+from jaxpar.parallel import watchdog
 
 
 def main(argv=None) -> int:
@@ -52,6 +53,8 @@ def main(argv=None) -> int:
                         for sub in ("checkpoints", "tb")),  # what the run makes inside it
                       ("--metrics-file", args.metrics_file, "file"))
     cfg, shape = cli.setup(args, processes=spec.num_processes)
+    if spec.multi:
+      watchdog.check_peer_timeout(cfg.train, spec.heartbeat_timeout)
     distributed.initialize(spec)  # before anything touches the devices
     distributed.preflight(cfg, shape)
     _not_a_users_model(os.path.join(args.workdir, "checkpoints"))

@@ -79,8 +79,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                  help=f"give up joining after this long (env {ENV_INIT_TIMEOUT}, "
                       f"default {DEFAULT_INIT_TIMEOUT})")
   g.add_argument("--heartbeat-timeout", type=int, metavar="SECONDS",
-                 help=f"a silent peer counts as dead after this long (env {ENV_HEARTBEAT_TIMEOUT}, "
-                      f"default {DEFAULT_HEARTBEAT_TIMEOUT})")
+                 help=f"JAX's coordination service aborts every process for one silent this long "
+                      f"(from half of it on); train.peer_timeout names it first (env "
+                      f"{ENV_HEARTBEAT_TIMEOUT}, default {DEFAULT_HEARTBEAT_TIMEOUT})")
 
 
 def _int(name: str, text: str | None) -> int | None:
@@ -267,7 +268,7 @@ def initialize(spec: Spec) -> None:
                            f"{time.monotonic() - t0:.0f} s: {first}") from e
   finally:
     done.set()
-  start_heartbeat(spec.process_id)
+  start_heartbeat(spec.process_id, spec.heartbeat_timeout)
 
 
 

@@ -259,7 +259,7 @@ class Checkpointing:
     return bool(every and step % every == 0)
 
   def save(self, step: int, state: dict, skipped: int, watchdog: Watchdog) -> None:
-    watchdog.at(step, f"saving the checkpoint of step {step}", slow=True, peers=True)
+    watchdog.at(step, f"saving the checkpoint of step {step}", slow=True)
     with self.split.part("checkpoint"):
       if self.vote is not None:
         self.vote.until_saved(self.ckpt.saving)  # orbax starts a save by waiting for the last
@@ -270,7 +270,7 @@ class Checkpointing:
 
   def finish(self, step: int, watchdog: Watchdog) -> None:
     """After the last step: every process's save is written before any closes."""
-    watchdog.at(step, "waiting for the last checkpoint to be written", slow=True, peers=True)
+    watchdog.at(step, "waiting for the last checkpoint to be written", slow=True)
     if self.vote is not None:
       with self.split.part("checkpoint"):
         self.vote.until_saved(self.ckpt.saving)
@@ -279,8 +279,7 @@ class Checkpointing:
     """Waits for the save in flight (a failed one is a SaveError): an incomplete one is never
     read, so the last complete checkpoint is what a rerun resumes."""
     if not peer_lost:  # a save in flight waits at a barrier for the dead process: leave it
-      watchdog.at(step, "closing the checkpointer (a save may be in flight)", slow=True,
-                  peers=True)
+      watchdog.at(step, "closing the checkpointer (a save may be in flight)", slow=True)
       with self.split.part("checkpoint"):
         self.ckpt.close()
 

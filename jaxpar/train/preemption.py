@@ -99,8 +99,8 @@ class StopVote:
     """Returns once no process has a save in flight (`saving()`: this process's).
 
     orbax would wait too, at a barrier of JAX's coordination service, which notices a dead process
-    only after the heartbeat timeout (100 s by default) and then aborts this one with a C++ stack
-    trace. This exchange is a collective: a dead process fails it at once, as a lost peer. Every
+    only from half its heartbeat timeout on (200 s by default) and then aborts this one with a C++
+    stack trace. This exchange is a collective: a dead process fails it at once, as a lost peer. Every
     process sees the same answers, so all make the same exchanges.
     """
     while np.asarray(self._send(int(saving()))).any():
