@@ -115,6 +115,23 @@ def test_a_bad_flag_is_one_line_not_the_usage(tmp_path):
   assert not (tmp_path / "wd").exists()
 
 
+def test_a_prefix_of_a_flag_is_refused_by_every_command(capsys):
+  """train's `--step 5` is not taken for `--steps 5` (export and generate use --step for a
+  checkpoint), nor any other prefix of a flag, by any command."""
+  from jaxpar.commands import dataset, export, generate, launch, plan
+  for main, argv, said in (
+      (train_command.main, ["--step", "5", "--print-config"], "unrecognized arguments: --step 5"),
+      (plan.main, ["--mesh", "1x1x1", "--print-conf"], "unrecognized arguments: --print-conf"),
+      (export.main, ["--work", "wd", "--out", "x.safetensors"], "--workdir"),
+      (generate.main, ["--work", "wd"], "--workdir"),
+      (dataset.main, ["images", "src", "--data", "d", "--name", "n"], "--data-dir"),
+      (launch.main, ["--proc", "2", "--", "true"], "--processes")):
+    with pytest.raises(SystemExit) as e:
+      main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and said in err[0], (argv, err)
+
+
 def test_mesh_larger_than_devices_is_exit_2(tmp_path):
   r = train("--mesh", "2x4x1", "--workdir", str(tmp_path / "wd"),
             env_extra={"XLA_FLAGS": f"{FAST_XLA} --xla_force_host_platform_device_count=4"})

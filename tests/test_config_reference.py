@@ -48,9 +48,11 @@ def test_a_fields_meaning_is_the_block_above_it_and_its_own_comment():
   assert "Loss-spike" not in meaning["train.skip_nonfinite"]  # the block below is the next key's
 
 
-def _yaml(capsys, code: int) -> dict:
+def _yaml(capsys, code: int, head: list[str] | None = None) -> dict:
   out = capsys.readouterr()
   assert code == 0, out.err
+  if head is not None:  # the comment lines before the YAML
+    assert out.out.splitlines()[:len(head)] == head, out.out
   return yaml.safe_load(out.out)
 
 
@@ -69,8 +71,11 @@ def test_print_config_prints_the_resolved_config_and_trains_nothing(main, tmp_pa
   monkeypatch.chdir(tmp_path)
   medium = ROOT / "configs" / "gpt_medium.yaml"
   steps = ["--steps", "7"] if main is train_command.main else []  # train.py's --steps is the total
+  # The command line's part of the run, too: the mesh, and train.py's workdir (the default here)
+  head = ["# mesh: 8x1x1 (8 devices: data=8, model=1, pipeline=1, context=1)"] + (
+      [f"# workdir: {tmp_path / 'workdir'}"] if steps else [])
   got = _yaml(capsys, main(["--mesh", "8x1x1", "--config", str(medium), "--print-config", *steps,
-                            "--set", "train.lr=0.01", "model.n_layers=2"]))
+                            "--set", "train.lr=0.01", "model.n_layers=2"]), head)
   want = _expected(yaml.safe_load(medium.read_text()), {"train": {"lr": 0.01},
                                                         "model": {"n_layers": 2}},
                    {"train": {"steps": 7}} if steps else {})

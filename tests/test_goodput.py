@@ -219,6 +219,10 @@ def test_the_summary_splits_the_wall_time_and_reports_goodput(tmp_path):
   assert line[0].endswith(f"goodput {100 * s['goodput']:.1f}%")
   # docs/output.md names every field and line this run (eval, spike guard, goodput) writes
   assert undocumented(records(metrics), logged[-1]) == []
+  # The last evaluation's figures (after step 4), as the metrics row of step 4 has them
+  row = [r for r in records(metrics) if r.get("step") == 4 and not r.get("final")][-1]
+  assert s["eval_step"] == 4 and s["eval_loss"] == row["eval_loss"] == final["eval_loss"]
+  assert f"eval: loss {row['eval_loss']:.4g} (after step 4)" in logged[-1].splitlines(), logged[-1]
 
 
 # -- a stalled step ---------------------------------------------------------------------------------

@@ -244,13 +244,14 @@ def test_router_metrics_against_their_definitions():
 def test_the_metrics_file_holds_each_experts_load(tmp_path):
   """A run's metrics rows carry the router's losses and each expert's share of the routed rows
   (moe_load/0..7, summing to 1), as the logger writes them (JSON numbers), the experts split
-  over 8 devices."""
+  over 8 devices; the summary, printed and in the final row, says the last logged step's."""
   import json
 
   from jaxpar.train import loop
   cfg = make_cfg("data.source=synthetic", "checkpoint.every=0", "train.log_every=1")
-  loop.run(cfg, (8, 1, 1), str(tmp_path / "wd"), str(tmp_path / "m.jsonl"), steps=2,
-           progress=False, log=lambda *a: None)
+  said = []
+  result = loop.run(cfg, (8, 1, 1), str(tmp_path / "wd"), str(tmp_path / "m.jsonl"), steps=2,
+                    progress=False, log=said.append)
   rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
   steps = [r for r in rows if "loss" in r and not r.get("final")]
   assert [r["step"] for r in steps] == [1, 2]
@@ -261,6 +262,14 @@ def test_the_metrics_file_holds_each_experts_load(tmp_path):
     assert 1 < max(shares) * 8 <= r["moe_max_load"] + 1e-6
   from output_fields import undocumented
   assert undocumented(rows) == []  # docs/output.md names the router's fields
+  last = steps[-1]
+  load = [last[name] for name in moe.load_names(8)]
+  s = result.summary
+  assert s["moe_step"] == 2 and s["moe_load"] == pytest.approx(load)
+  assert s["moe_max_load"] == pytest.approx(last["moe_max_load"]) and rows[-1]["moe_load"] == s["moe_load"]
+  line = [l for l in said[-1].splitlines() if l.startswith("experts' load: ")]
+  assert len(line) == 1 and f"takes {last['moe_max_load']:.2f}x an even share" in line[0], said[-1]
+  assert line[0].endswith(" ".join(f"{x:.3f}" for x in load) + " (after step 2)"), line[0]
 
 
 def test_capacity_that_drops_nothing_equals_dropless():

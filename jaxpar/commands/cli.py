@@ -22,7 +22,13 @@ from jaxpar.train.preemption import Interrupted, _interrupt  # noqa: F401 (guard
 
 
 class Parser(argparse.ArgumentParser):
-  """argparse with its errors as every other bad input: one line on stderr, exit code 2."""
+  """argparse with its errors as every other bad input: one line on stderr, exit code 2; a flag
+  is spelled out in full (no prefix of a longer one: train's `--step 5` is not `--steps 5`, as
+  export's and generate's `--step` names a checkpoint)."""
+
+  def __init__(self, *args, **kwargs):
+    kwargs.setdefault("allow_abbrev", False)
+    super().__init__(*args, **kwargs)
 
   def error(self, message):
     print(f"error: {message}", file=sys.stderr)
@@ -44,9 +50,16 @@ def add_print_config(p: argparse.ArgumentParser) -> None:
                  help="print the resolved config (defaults, --config, --set) as YAML and exit")
 
 
-def print_config(cfg: jconfig.Config) -> int:
-  """The config a run would use, as YAML a --config file takes back; exit code 0."""
+def print_config(cfg: jconfig.Config, mesh: str | None = None, workdir: str | None = None) -> int:
+  """The config a run would use, as YAML a --config file takes back, after comment lines with
+  what the command line adds to it (the mesh and its devices, the workdir); exit code 0."""
   import yaml  # a dependency of config.py already; here only for the dump
+  if mesh is not None:
+    shape = jmesh.parse(mesh)
+    axes = ", ".join(f"{a}={n}" for a, n in zip(jmesh.AXES, shape))
+    print(f"# mesh: {jmesh.spec_str(shape)} ({math.prod(shape)} devices: {axes})")
+  if workdir is not None:
+    print(f"# workdir: {os.path.abspath(workdir)}")
   print(yaml.safe_dump(jconfig.to_dict(cfg), sort_keys=False), end="")
   return 0
 

@@ -150,7 +150,7 @@ def main(argv=None) -> int:
       if args.mesh:
         shape = mesh.parse(args.mesh)
         mesh.check(shape, cfg, math.prod(shape))
-      return cli.print_config(cfg)
+      return cli.print_config(cfg, args.mesh)
     _check_search_args(args)
     cfg = config.load(args.config, args.overrides, base=cli.hf_model_keys,
                       follow=cli.data_keys)

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
         cfg = config.override(cfg, train={"steps": args.steps})
       shape = jmesh.parse(args.mesh)
       jmesh.check(shape, cfg, math.prod(shape))
-      return cli.print_config(cfg)
+      return cli.print_config(cfg, args.mesh, args.workdir)
     cli.check_outputs(("--workdir", args.workdir, "folder"),
                       *(("--workdir", os.path.join(args.workdir, sub), "folder")
                         for sub in ("checkpoints", "tb")),  # what the run makes inside it

@@ -78,6 +78,8 @@ class Reporter:
     self.losses: dict[int, float] = {}
     self.pending: list[tuple[int, dict]] = []  # device metrics not yet fetched
     self.logged = 0
+    self.last_row: tuple[int, dict] | None = None  # (step, its device metrics) last logged
+    self.last_eval: tuple[int, dict] | None = None  # (step, eval_* figures) of the last eval
     self.tokens_per_step = cfg.train.batch_size * trainer.model.tokens_per_example
     self.flops_per_step = trainer.model.flops_per_example * cfg.train.batch_size
 
@@ -129,10 +131,28 @@ class Reporter:
       row["tokens_per_sec"] = self.tokens_per_step / step_time
     # The first row says how the step was compiled (a cache hit or miss, and how long it took).
     mfu = self.flops_per_step / step_time / (self.peak * self.trainer.mesh.size)
+    self.last_row = step, m
+    if extra:
+      self.last_eval = step, extra
     self.logger.log(step, {**row, "mfu": mfu, **m, **(extra or {}), **(mark or {}),
                            **(self.compile_info if not self.logged else {}),
                            **({"rollbacks": self.guard.rollbacks} if self.guard else {})})
     self.logged += 1
+
+
+  def closing_figures(self) -> dict:
+    """What the summary adds of the rows: the last evaluation's figures (`eval_step`,
+    `eval_loss`, ...) and the experts' load at the last logged step (`moe_step`,
+    `moe_max_load`, `moe_load`: each expert's share of the routed rows, `moe_dropped`)."""
+    out: dict = {}
+    if self.last_eval is not None:
+      out.update({"eval_step": self.last_eval[0], **self.last_eval[1]})
+    if self.last_row is not None and "moe_max_load" in self.last_row[1]:
+      step, m = self.last_row
+      out.update({"moe_step": step, "moe_max_load": m["moe_max_load"],
+                  "moe_load": [m[k] for k in sorted(k for k in m if k.startswith("moe_load/"))],
+                  **({"moe_dropped": m["moe_dropped"]} if "moe_dropped" in m else {})})
+    return out
 
 
 class Rollbacks:

@@ -275,6 +275,7 @@ class _Run:
             "first_loss": losses[min(losses)] if losses else None,
             "last_loss": losses[max(losses)] if losses else None,
             "interrupted": bool(self.stopped), "skipped_steps": report.skipped,
+            **report.closing_figures(),
             **({"rollbacks": guard.rollbacks, "rollback_copy_bytes": guard.nbytes}
                if guard is not None else {}),
             **({"loss_scale": float(state["loss_scale"]["scale"])}

@@ -205,6 +205,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines.append("peak memory per device: "
                  + ("not reported by this backend" if mem is None else _human_bytes(mem)
                     + " (compiled step: arguments + outputs + temporaries - donated)"))
+  if s.get("eval_step") is not None:
+    lines.append(_eval_line(s))
+  if s.get("moe_load"):
+    lines.append(_load_line(s))
   if s.get("profile"):
     lines.append(_profile_line(s["profile"]))
   if s.get("time_s") and s.get("wall_s") is not None:
@@ -213,10 +217,31 @@ def format_summary(summary: dict[str, Any]) -> str:
            "peak_memory_bytes", "final", "profile", "rate_includes_warmup", "time_s", "wall_s",
            "goodput"}
   for k, v in s.items():
-    if k not in known:
+    if k not in known and not k.startswith(("eval_", "moe_")):
       lines.append(f"{k}: {v:.6g}" if isinstance(v, float) else f"{k}: {v}")
   lines.append(f"what each line means: {OUTPUT_PAGE}")
   return "\n".join(lines)
+
+
+def _eval_line(s: dict[str, Any]) -> str:
+  """'eval: loss 2.31, accuracy 41.25% (after step 40)' (and any other eval_* figure)."""
+  figures = {k[len("eval_"):]: v for k, v in s.items()
+             if k.startswith("eval_") and k != "eval_step" and v is not None}
+  said = [f"{k} {100 * v:.2f}%" if k == "accuracy" else f"{k.replace('_', ' ')} {v:.4g}"
+          for k, v in sorted(figures.items(), key=lambda kv: kv[0] != "loss")]
+  return f"eval: {', '.join(said)} (after step {s['eval_step']})"
+
+
+def _load_line(s: dict[str, Any]) -> str:
+  """The experts' load at the last logged step: the busiest expert against an even share, and
+  each expert's share of the routed rows."""
+  shares = s["moe_load"]
+  line = (f"experts' load: the busiest expert takes {s['moe_max_load']:.2f}x an even share "
+          f"(1.00 = balanced); each expert's share of the routed rows "
+          f"{' '.join(f'{x:.3f}' for x in shares)}")
+  if s.get("moe_dropped") is not None:
+    line += f"; {100 * s['moe_dropped']:.2f}% of the routed rows dropped (over capacity)"
+  return line + f" (after step {s['moe_step']})"
 
 
 def _time_line(s: dict[str, Any]) -> str:
