@@ -41,6 +41,12 @@ class ModelConfig:
   head_dim: int = 0
   d_ff: int = 512  # hidden units of each block's MLP; divisible by the model axis
   vocab_size: int = 256  # byte-level tokens
+  # gpt, llama: the embedding and the LM head hold vocab_size rounded up to a multiple of this
+  # (Megatron's make_vocab_size_divisible_by), so the vocabulary splits over any model degree
+  # that divides the rounded size (GPT-2's 50,257 -> 50,304). The padding's logits are masked out
+  # of the softmax, the loss and sampling; it is never exported and not counted as parameters.
+  # 1 = no padding (and a checkpoint from before this key is read with 1)
+  vocab_multiple: int = 64
   seq_len: int = 128  # tokens per training sequence (the context window)
   tie_embeddings: bool = False  # the LM head is the token embedding transposed (GPT-2's layout)
   # gpt: rows of the position table; 0 = seq_len (imports keep theirs). llama: the longest
@@ -75,6 +81,10 @@ class ModelConfig:
   capacity_factor: float = 0.0  # 0 = dropless; else each expert's share of a device's tokens
   shared_expert_gate: bool = False  # sigmoid(x . w) scales the shared experts (Qwen2-MoE)
   num_classes: int = 10  # cnn only
+
+  def padded_vocab(self) -> int:
+    """The rows of the embedding (columns of the head): vocab_size rounded up to vocab_multiple."""
+    return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
   def head_width(self) -> int:
     """K, each attention head's width: head_dim, or d_model / n_heads where it is 0."""
@@ -238,7 +248,7 @@ _POSITIVE = ("model.n_layers", "model.d_model", "model.n_heads", "model.d_ff", "
              "parallel.virtual_stages", "checkpoint.keep", "precision.initial_scale",
              "precision.growth_interval", "precision.min_scale", "model.norm_eps", "model.rope_theta",
              "train.spike_steps", "train.spike_window", "model.experts_per_token",
-             "model.moe_every")
+             "model.moe_every", "model.vocab_multiple")
 _BELOW_ONE = ("train.b1", "train.b2", "model.dropout")  # in [0, 1): Adam's betas, dropout
 _FRACTION = ("train.min_lr_ratio",)  # in [0, 1]: the final learning rate, a fraction of the peak
 _NON_NEGATIVE = ("model.n_kv_heads", "model.head_dim", "model.max_positions", "parallel.microbatches", "train.warmup_steps", "train.weight_decay", "train.clip_norm",
@@ -486,6 +496,10 @@ def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
 
 
 def from_dict(tree: dict[str, Any]) -> Config:
+  """A stored config (a checkpoint's) back as a Config; one written before model.vocab_multiple
+  existed held its vocabulary unpadded, so it is read with 1."""
+  if isinstance(tree.get("model"), dict) and "vocab_multiple" not in tree["model"]:
+    tree = {**tree, "model": {**tree["model"], "vocab_multiple": 1}}
   cfg = Config()
   for key, value in _flatten(tree):
     cfg = _apply(cfg, key, value)
@@ -525,6 +539,10 @@ def resume_mismatch(stored: dict, cfg: Config) -> list[str]:
     before = stored.get(section, {}).get(name, defaults[key])  # saved before the key existed
     if key in _PATH_KEYS and before and value:  # the same file however it is spelled
       same = os.path.realpath(before) == os.path.realpath(value)
+    elif key == "model.vocab_multiple":  # the same rows, however rounded (unpadded before it)
+      before = stored.get("model", {}).get(name, 1)
+      V = stored.get("model", {}).get("vocab_size", defaults["model.vocab_size"])
+      same = -(-V // before) * before == cfg.model.padded_vocab()
     else:
       same = before == value
     if not same:

@@ -357,3 +357,59 @@ def test_export_keeps_every_field_of_the_folder_the_run_did_not_change(tmp_path,
   assert json.loads((tmp_path / "out2" / "generation_config.json").read_text()) == {
       **g, "bos_token_id": 2}
 
+
+def test_gpt2_with_its_real_vocabulary_trains_split_over_model_and_exports_unpadded(tmp_path):
+  """GPT-2's 50,257 tokens do not divide by 4: the embedding holds 50,304 rows
+  (model.vocab_multiple=64), the padding masked out of the softmax. The first loss is
+  transformers' on the same tokens, two steps on 1x4x1 and 2x4x1 ZeRO-1 match one device (losses
+  and first gradients within 1e-5), and the export drops the padding: every tensor of the folder
+  comes back bit for bit (its key bias zero, as jaxpar writes it)."""
+  from safetensors.numpy import load_file
+  from test_equivalence import assert_trees_close
+  full = 50257
+  m = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+      n_layer=2, n_embd=32, n_head=4, n_inner=64, n_positions=T, vocab_size=full))
+  _randomise(m, 3)
+  with torch.no_grad():
+    for block in m.transformer.h:
+      block.attn.c_attn.bias[32:64] = 0  # the key bias, which jaxpar drops (softmax ignores it)
+  folder = str(tmp_path / "gpt2")
+  m.save_pretrained(folder)
+  toks = np.random.default_rng(0).integers(0, full, size=(B, T + 1)).astype(np.int32)
+  toks[:, -1] = full - 1  # the last real token is a target
+  want = cross_entropy(hf_logits(folder, toks[:, :-1]), toks[:, 1:])
+
+  def run(shape, extra=()):
+    cfg = config.load(None, [f"model.init_from={folder}", f"model.seq_len={T}", f"train.batch_size={B}",
+                             "precision.compute_dtype=float32", "train.lr=1e-2", *extra],
+                      base=hf.model_overrides)
+    n = int(np.prod(shape))
+    jmesh.check(shape, cfg, n)
+    t = Trainer(cfg, jmesh.make(shape, jax.devices()[:n]), jmodel.decoder(cfg), expose_grads=True)
+    assert t.model.abstract["wte"].shape == (50304, 32)
+    assert decoder.padding_params(t.model.abstract, cfg.model) == 47 * 32
+    state = t.init_with(hf.load_params(folder, cfg.model, t.model.abstract, t.state_shardings["params"]))
+    losses, grads = [], None
+    for _ in range(2):
+      state, metrics = t.step(state, {"tokens": jnp.asarray(toks)})
+      losses.append(float(metrics["loss"]))
+      grads = jax.device_get(metrics["grads"]) if grads is None else grads
+    return np.array(losses), grads
+
+  ref, ref_grads = run((1, 1, 1))
+  assert ref[0] == pytest.approx(want, rel=RTOL)
+  assert not np.any(ref_grads["wte"][full:])  # the padding learns nothing
+  for shape, extra in (((1, 4, 1), ()), ((2, 4, 1), ("parallel.zero_stage=1",))):
+    losses, grads = run(shape, extra)
+    np.testing.assert_allclose(losses, ref, rtol=RTOL)
+    assert_trees_close(grads, ref_grads, f"{shape} gradient")
+
+  _checkpoint_of(folder, tmp_path / "wd")
+  hf.export(str(tmp_path / "wd"), str(tmp_path / "out"))
+  src, out = (load_file(os.path.join(f, "model.safetensors")) for f in (folder, tmp_path / "out"))
+  assert out["transformer.wte.weight"].shape == (full, 32)
+  assert set(out) == set(src)
+  for name in src:
+    np.testing.assert_array_equal(out[name], src[name], err_msg=name)
+  assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == full
+

@@ -118,6 +118,11 @@ def _hf_tensors(mc) -> dict[str, tuple[list[str], Callable]]:
                          at(i, lambda q, v: np.concatenate([q, np.zeros_like(q), v], -1)))
   if arch == hf_llama.QWEN2_MOE:
     out.update(_qwen2_moe_fill(mc))
+  V = mc.vocab_size
+  if mc.padded_vocab() != V:  # the padding's rows (model.vocab_multiple) are not exported
+    for hf_name, (paths, make) in list(out.items()):
+      if paths in (["wte"], ["head"]):
+        out[hf_name] = (paths, lambda x, make=make: make(x)[:V])
   return out
 
 
@@ -322,3 +327,4 @@ def write_tokenizer(codec: Codec, out_dir: str, max_length: int) -> list[str]:
                  **({"eos_token": eos, "bos_token": eos} if eos is not None else {})}, f, indent=2)
       f.write("\n")
   return sorted({*sources, "tokenizer_config.json"})
+

@@ -84,6 +84,27 @@ def forward(parts: Parts, params: dict, tokens: jax.Array, ctx: StepContext = St
   return stack.forward(parts, params, tokens, ctx, remat)
 
 
+def mask_padding(logits: jax.Array, cfg) -> jax.Array:
+  """logits (B, T, Vp) float32 with the vocabulary's padding (model.vocab_multiple: columns from
+  vocab_size on) at -inf, so the softmax, the loss and sampling never see it; logits unchanged
+  without padding. The iota is the global column, so a vocab-split head masks the same columns."""
+  if logits.shape[-1] == cfg.vocab_size:
+    return logits
+  vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+  return jnp.where(vocab < cfg.vocab_size, logits, -jnp.inf)
+
+
+def padding_params(abstract, cfg) -> int:
+  """How many of the parameters in `abstract` are the vocabulary's padding (model.vocab_multiple):
+  the embedding's extra rows and an untied head's extra columns, which count as no parameters."""
+  flat = abstract if isinstance(abstract, dict) else {}
+  extra = cfg.padded_vocab() - cfg.vocab_size
+  if not extra or cfg.kind not in ("gpt", "llama"):
+    return 0
+  return sum(extra * int(flat[name].shape[1 - i]) for i, name in enumerate(("wte", "head"))
+             if name in flat and flat[name].shape[i] == cfg.padded_vocab())
+
+
 def cross_entropy(logits: jax.Array, targets: jax.Array, manual=frozenset()) -> jax.Array:
   """Mean next-token loss, vocab-parallel. logits (B, T, V) float32, targets (B, T) int.
 

@@ -71,7 +71,7 @@ class GPT(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
     self.cfg = cfg
-    V, T, D = cfg.vocab_size, cfg.seq_len, cfg.d_model
+    V, T, D = cfg.padded_vocab(), cfg.seq_len, cfg.d_model  # V: with model.vocab_multiple's padding
     param, normal = decoder.param_maker(rngs, param_dtype), nnx.initializers.normal(0.02)
     self.wte = param((V, D), ("vocab", "embed"), normal)
     T = cfg.max_positions or T  # the position table may be longer than the training window
@@ -265,9 +265,9 @@ def block(p: dict, x: jax.Array, cfg: ModelConfig, ctx: StepContext = StepContex
 
 def parts(cfg: ModelConfig) -> decoder.Parts:
   """The GPT's functions for decoder.py's scan, loss and pipeline."""
-  head = head_logits
+  head = lambda p, x: decoder.mask_padding(head_logits(p, x), cfg)
   if cfg.tie_embeddings:  # the LM head is the token embedding, transposed (GPT-2)
-    head = lambda p, x: head_logits({**p, "head": p["wte"].T}, x)
+    head = lambda p, x: decoder.mask_padding(head_logits({**p, "head": p["wte"].T}, x), cfg)
   return decoder.in_groups(
       decoder.Parts(embed=embed, block=lambda p, x, ctx: block(p, x, cfg, ctx), head=head,
                     embed_at=embed_at, metrics=moe.metric_names(cfg)), cfg, DENSE)

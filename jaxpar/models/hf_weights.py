@@ -178,6 +178,9 @@ def read_param(folder: Folder, path: str, mc, want: tuple[int, ...],
     return transform(folder.read(hf_name.format(i=i)))
   rows = layers_of(mc, path)
   x = np.stack([layer(i) for i in rows]) if "{i}" in hf_name else layer(0)
+  if path in ("wte", "head") and x.ndim == 2:  # the vocabulary's padding (model.vocab_multiple)
+    axis = 0 if path == "wte" else 1
+    x = np.pad(x, [(0, mc.padded_vocab() - mc.vocab_size if a == axis else 0) for a in (0, 1)])
   if tuple(x.shape) != tuple(want):
     where = hf_name.format(i=rows[0], e=0)
     raise ConfigError(f"{folder.folder}: tensor {where} gives {path} the shape {tuple(x.shape)}, "

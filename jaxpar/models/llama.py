@@ -65,7 +65,7 @@ class Llama(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
     self.cfg = cfg
-    V, D = cfg.vocab_size, cfg.d_model
+    V, D = cfg.padded_vocab(), cfg.d_model  # V: with model.vocab_multiple's padding
     param, normal = decoder.param_maker(rngs, param_dtype), nnx.initializers.normal(0.02)
     self.wte = param((V, D), ("vocab", "embed"), normal)
     self.layers = Layers(cfg, rngs, param_dtype)
@@ -166,7 +166,7 @@ def parts(cfg: ModelConfig) -> decoder.Parts:
   def head(p: dict, x: jax.Array) -> jax.Array:  # x (B, T, D) -> logits (B, T, V) float32
     w = p["wte"].T if cfg.tie_embeddings else p["head"]  # (D, V), vocab-parallel either way
     logits, = tensor.column_parallel(rms_norm(x, p["norm"], cfg.norm_eps), [w.astype(x.dtype)])
-    return logits.astype(jnp.float32)
+    return decoder.mask_padding(logits.astype(jnp.float32), cfg)
   return decoder.in_groups(
       decoder.Parts(embed=embed, block=lambda p, x, ctx: block(p, x, cfg, ctx), head=head,
                     metrics=moe.metric_names(cfg)), cfg, DENSE)

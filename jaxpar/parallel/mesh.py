@@ -82,9 +82,14 @@ def check(shape, cfg: Config, n_devices: int) -> None:
   if decoder:
     kv = mc.n_kv_heads or mc.n_heads
     for name, value in (("model.n_heads", mc.n_heads), ("model.n_kv_heads", kv),
-                        ("model.d_ff", mc.d_ff), ("model.vocab_size", mc.vocab_size)):
+                        ("model.d_ff", mc.d_ff)):
       if value % m:
         problems.append(f"{name}={value} is not divisible by model={m}")
+    if mc.padded_vocab() % m:
+      padded = (f" (padded to {mc.padded_vocab()} by model.vocab_multiple={mc.vocab_multiple})"
+                if mc.padded_vocab() != mc.vocab_size else "")
+      problems.append(f"model.vocab_size={mc.vocab_size}{padded} is not divisible by model={m}; "
+                      f"a model.vocab_multiple that model={m} divides pads it")
     stages = p * (pc.virtual_stages if pc.schedule == "circular" else 1)
     if mc.n_experts:
       problems += _expert_problems(mc, d, m)

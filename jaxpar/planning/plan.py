@@ -25,6 +25,7 @@ from jaxpar.analysis import hlo
 from jaxpar.config import Config, ConfigError, compile_cache_max_bytes, to_dict
 from jaxpar.data import batch_spec
 from jaxpar.models import base as jmodel
+from jaxpar.models import decoder
 from jaxpar.models.registry import build_model
 from jaxpar.parallel import mesh as jmesh
 from jaxpar.parallel import rules
@@ -144,7 +145,9 @@ def plan(cfg: Config, mesh_shape: str | Sequence[int], devices: Sequence[Any] | 
       "activations": {"remat": cfg.parallel.remat,
                       "sequence_parallel": cfg.parallel.sequence_parallel},
       "loss_scale": _loss_scale(cfg),
-      "param_count": sum(math.prod(a.shape) for a in jax.tree_util.tree_leaves(abstract)),
+      # the vocabulary's padding (model.vocab_multiple) is held, but is no parameter
+      "param_count": sum(math.prod(a.shape) for a in jax.tree_util.tree_leaves(abstract))
+                     - decoder.padding_params(abstract, cfg.model),
       "bytes_per_device": per_device,
       "unsharded_bytes": unsharded,
       "compiled": hlo.memory(compiled),

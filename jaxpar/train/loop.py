@@ -25,7 +25,7 @@ from jaxpar import data as jdata
 from jaxpar.analysis import hlo
 from jaxpar.analysis import profile as jprofile
 from jaxpar.config import Config
-from jaxpar.models import hf_weights
+from jaxpar.models import decoder, hf_weights
 from jaxpar.models.registry import build_model  # noqa: F401 (the model a run builds, by this name)
 from jaxpar.parallel import distributed as jdistributed
 from jaxpar.parallel import mesh as jmesh
@@ -260,8 +260,9 @@ class _Run:
     measured = jmetrics.device_peak_memory_bytes()  # the allocator's own peak, where kept (GPU)
     losses, guard, state = report.losses, report.guard, self.state
     return {**self.profiling.summary(self.compiled, self.trainer), "steps": self.step,
-            "parameters": sum(math.prod(leaf.shape)  # the model's, as it is trained
-                              for leaf in jax.tree.leaves(self.trainer.model.abstract)),
+            "parameters": sum(math.prod(leaf.shape)  # the model's, as it is trained, less the
+                              for leaf in jax.tree.leaves(self.trainer.model.abstract))  # padding
+                          - decoder.padding_params(self.trainer.model.abstract, cfg.model),
             "steps_this_run": self.step - self.start, "examples_per_sec": eps,
             **({"rate_includes_warmup": True} if with_warmup else {}),
             **({"tokens_per_sec": eps * report.tokens_per_step / cfg.train.batch_size}
