@@ -413,3 +413,70 @@ def test_gpt2_with_its_real_vocabulary_trains_split_over_model_and_exports_unpad
     np.testing.assert_array_equal(out[name], src[name], err_msg=name)
   assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == full
 
+
+def torch_greedy(folder, ids, n):
+  """transformers' model, argmax n times: the greedy continuation of `ids`."""
+  m = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+  x = torch.tensor([list(ids)], dtype=torch.int64)
+  with torch.no_grad():
+    for _ in range(n):
+      x = torch.cat([x, m(x).logits[:, -1].argmax(-1, keepdim=True)], 1)
+  return x[0, len(ids):].numpy()
+
+
+CHAT = ("{% for m in messages %}{{ bos_token }}{{ m['content'] }}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ bos_token }}{% endif %}")
+
+
+def test_generate_from_a_folder_gives_transformers_greedy_tokens_and_chats(tmp_path, capsys):
+  """generate.py --hf on jaxpar's export of a Llama folder: prompts start with the folder's
+  bos_token_id; greedy tokens are transformers' on 1x1x1 and 2x2x1; --chat renders the folder's
+  chat template as transformers' apply_chat_template does and continues it as transformers does;
+  a folder of an architecture jaxpar does not read is one sentence, exit 2, nothing written."""
+  from tokenizers import Tokenizer
+  from jaxpar.commands import generate as generate_command
+  src = tmp_path / "src"
+  llama_folder(src, 4, 2, 32)
+  write_tokenizer(str(src))
+  tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+  tok.add_special_tokens(["<s>", "</s>"])  # whole in a chat template's text
+  tok.save(str(src / "tokenizer.json"))
+  (src / "tokenizer_config.json").write_text(json.dumps(
+      {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+       "unk_token": "<unk>", "chat_template": CHAT}))
+  c = json.loads((src / "config.json").read_text())
+  for name in ("config.json", "generation_config.json"):
+    f = src / name
+    f.write_text(json.dumps({**json.loads(f.read_text()), "bos_token_id": 1, "eos_token_id": 2}))
+  _checkpoint_of(str(src), tmp_path / "wd")
+  folder = str(tmp_path / "out")
+  hf.export(str(tmp_path / "wd"), folder)
+
+  n = 8
+  for shape in ((1, 1, 1), (2, 2, 1)):
+    sampler = hf.sampler(folder, shape)
+    ids = sampler.codec.encode("the cat sat")
+    assert list(ids) == [1, 3, 4, 5]  # <s> the cat sat
+    got = sampler.sample_tokens([ids], n, temperature=0, stop_token=-1)[0]
+    np.testing.assert_array_equal(got, torch_greedy(folder, ids, n), err_msg=str(shape))
+
+  messages = [{"role": "user", "content": "the cat"}]
+  text = hf.render_chat(folder, messages)
+  want = transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(
+      messages, tokenize=False, add_generation_prompt=True)
+  assert text == want == "<s>the cat</s><s>"
+  ids = sampler.codec.encode(text, start=False)
+  reply = sampler.codec.decode(torch_greedy(folder, ids, n))
+  capsys.readouterr()
+  assert generate_command.main(["--hf", folder, "--chat", "--prompt", "the cat", "--mesh", "2x2x1",
+                                "--temperature", "0", "--max-new-tokens", str(n)]) == 0
+  assert capsys.readouterr().out == reply + "\n"
+
+  bad = tmp_path / "bert"
+  bad.mkdir()
+  (bad / "config.json").write_text(json.dumps({**c, "architectures": ["BertModel"]}))
+  assert generate_command.main(["--hf", str(bad), "--prompt", "the"]) == 2
+  err = capsys.readouterr().err
+  errors = [line for line in err.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and "BertModel" in errors[0] and "Traceback" not in err, err
+  assert sorted(p.name for p in bad.iterdir()) == ["config.json"]

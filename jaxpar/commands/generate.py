@@ -1,6 +1,7 @@
-"""Sample text from a checkpoint: jaxpar-generate --workdir DIR --prompt TEXT
-[--prompt TEXT ...] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
-[--stop-token ID] [--seed S] [--num-samples N] [--no-cache] [--mesh DxMxP] [--step N].
+"""Sample text from a checkpoint or a Hugging Face folder: jaxpar-generate (--workdir DIR |
+--hf FOLDER [--chat [--system TEXT]]) --prompt TEXT [--prompt TEXT ...] [--max-new-tokens N]
+[--temperature T] [--top-k K] [--top-p P] [--stop-token ID] [--seed S] [--num-samples N]
+[--no-cache] [--mesh DxMxP] [--step N].
 Also python -m jaxpar generate, or python scripts/generate.py in a checkout."""
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ from jaxpar.parallel import mesh as jmesh
 
 def main(argv=None) -> int:
   p = cli.Parser(description=__doc__)
-  p.add_argument("--workdir", required=True, help="the training run's workdir")
+  source = p.add_mutually_exclusive_group(required=True)
+  source.add_argument("--workdir", help="the training run's workdir (its latest checkpoint)")
+  source.add_argument("--hf", metavar="FOLDER",
+                      help="a Hugging Face model folder (jaxpar's export or any architecture "
+                           "jaxpar reads), with its tokenizer")
+  p.add_argument("--chat", action="store_true",
+                 help="with --hf: each prompt is a user's message, rendered with the folder's "
+                      "chat template; the assistant's reply is printed")
+  p.add_argument("--system", help="with --chat: a system message before each prompt")
   p.add_argument("--prompt", action="append", default=None,
                  help="text the sample continues (a document's start); repeat it for a batch of "
                       "prompts of any lengths, sampled together")
@@ -30,15 +39,22 @@ def main(argv=None) -> int:
   p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
   p.add_argument("--no-cache", action="store_true",
                  help="recompute the whole window for every token (the slow reference path)")
-  p.add_argument("--step", type=int, help="checkpoint step (default: the latest complete one)")
+  p.add_argument("--step", type=int, help="with --workdir: checkpoint step (default: the latest "
+                                          "complete one)")
   p.add_argument("--mesh", default="1x1x1", help="data x model x pipeline to shard the parameters over")
   p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                 help="overrides of the checkpoint's config, e.g. precision.compute_dtype=bfloat16")
+                 help="overrides of the checkpoint's (or folder's) config, e.g. "
+                      "precision.compute_dtype=bfloat16")
   p.add_argument("--debug", action="store_true", help="show tracebacks")
   args = p.parse_args(argv)
   prompts = args.prompt if args.prompt is not None else [""]
 
   def body():
+    for flag, given, needs, want in (("--chat", args.chat, args.hf, "--hf"),
+                                     ("--system", args.system, args.chat, "--chat"),
+                                     ("--step", args.step is not None, args.workdir, "--workdir")):
+      if given and not needs:
+        raise cli.ConfigError(f"{flag} needs {want}")
     shape = jmesh.parse(args.mesh)
     n = math.prod(shape)
     simulated = n > 1 and jmesh.ensure_cpu_devices(n)  # before JAX starts
@@ -54,7 +70,24 @@ def main(argv=None) -> int:
     # A prompt is bytes: argv's str holds undecodable bytes as surrogates (surrogateescape),
     # which os.fsencode turns back into those bytes.
     raw = [os.fsencode(text) for text in prompts]
-    sampler = generate.Sampler(args.workdir, shape, args.step, args.set)
+    if args.hf:
+      from jaxpar.interop import hf  # only a folder needs the Hugging Face interop
+      sampler = hf.sampler(args.hf, shape, args.set)
+    else:
+      sampler = generate.Sampler(args.workdir, shape, args.step, args.set)
+    if args.chat:  # each prompt a user's message in the folder's chat template; the reply printed
+      system = [{"role": "system", "content": args.system}] if args.system else []
+      ids = [sampler.codec.encode(hf.render_chat(args.hf, system + [
+          {"role": "user", "content": text.decode("utf-8", errors="replace")}]), start=False)
+             for text in raw]
+      out = sampler.sample_tokens(ids, args.max_new_tokens, args.temperature, args.top_k,
+                                  args.top_p, args.seed, args.num_samples, args.stop_token,
+                                  cache=not args.no_cache)
+      for i, text in enumerate(sampler.texts(out, args.stop_token)):
+        if i:
+          print("\n" + "-" * 40)
+        print(text)
+      return 0
     longest = max(len(sampler.codec.encode(text)) for text in raw)
     note = sampler.window_note(longest, args.max_new_tokens)
     if note:

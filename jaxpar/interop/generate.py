@@ -59,7 +59,9 @@ def _overridden(cfg: jconfig.Config, overrides) -> jconfig.Config:
 
 class Codec:
   """Text <-> token ids as the run saw them: bytes, or the `tokenizers` file of `data.tokenizer`
-  (else of the `model.init_from` folder, when it holds a tokenizer.json)."""
+  (else of the `model.init_from` folder, when it holds a tokenizer.json). `bos` (the id a prompt
+  starts with) and `eos` (the one that ends a sample) are the end-of-text id unless a Hugging
+  Face folder says otherwise (hf.sampler)."""
 
   def __init__(self, cfg: jconfig.Config):
     path = cfg.data.tokenizer
@@ -73,9 +75,12 @@ class Codec:
     if path:
       self.tokenizer = load_tokenizer(path)
       self.eos, self.vocab = end_of_text_id(self.tokenizer), self.tokenizer.get_vocab_size()
+    self.bos = self.eos
 
-  def encode(self, text: bytes | str) -> np.ndarray:
-    """A prompt as the start of a document: the end-of-text id, then its tokens. (n,) int32.
+  def encode(self, text: bytes | str, start: bool = True) -> np.ndarray:
+    """A prompt as the start of a document: the `bos` id (the end of text unless a folder says
+    otherwise), then its tokens; without it where `start` is False (a chat template's text,
+    which holds its own). (n,) int32.
 
     Any bytes are a prompt: byte tokens take them as they are; a tokenizer reads them as UTF-8,
     an invalid sequence becoming U+FFFD. A str is its UTF-8 bytes (with the bytes a
@@ -91,7 +96,7 @@ class Codec:
     else:
       ids = self.tokenizer.encode(text.decode("utf-8", errors="replace"),
                                   add_special_tokens=False).ids
-    return np.concatenate([[self.eos], ids]).astype(np.int32)
+    return np.concatenate([[self.bos] if start else [], ids]).astype(np.int32)
 
   def decode(self, tokens: np.ndarray) -> str:
     """Tokens up to the first end-of-text -> text (undecodable bytes become U+FFFD)."""
@@ -287,9 +292,19 @@ class Sampler:
     self._setup(cfg, trainer, params)
     return self
 
-  def _setup(self, cfg, trainer, params) -> None:
+  @classmethod
+  def from_trainer(cls, cfg: jconfig.Config, trainer: Trainer, params, codec: Codec) -> "Sampler":
+    """A sampler over parameters already on `trainer`'s shardings (a Hugging Face folder's,
+    hf.sampler), speaking `codec`."""
+    _check_kind(cfg)
+    self = cls.__new__(cls)
+    self.step = None
+    self._setup(cfg, trainer, params, codec)
+    return self
+
+  def _setup(self, cfg, trainer, params, codec: Codec | None = None) -> None:
     self.cfg, self.trainer, self.params = cfg, trainer, params
-    self.codec = Codec(cfg)
+    self.codec = codec or Codec(cfg)
     self.mesh = trainer.mesh
     self._compiled: dict = {}
 
@@ -382,6 +397,10 @@ class Sampler:
     end-of-text and the first stop token."""
     out = self.sample(prompt, max_new_tokens, temperature, top_k, seed, num_samples, top_p,
                       stop_token, cache)
+    return self.texts(out, stop_token)
+
+  def texts(self, out: np.ndarray, stop_token: int | None = None) -> list[str]:
+    """sample_tokens' rows as text, each cut before the first end-of-text and stop token."""
     stop = -1 if stop_token is None else stop_token
     return [self.codec.decode(row[:_first(row, stop)]) for row in out]
 

@@ -22,6 +22,7 @@ import os
 import shutil
 from typing import Any, Callable
 
+import jax
 import numpy as np
 
 from jaxpar import config as jconfig
@@ -29,11 +30,15 @@ from jaxpar import kinds
 from jaxpar.config import ConfigError
 from jaxpar.interop import hf_llama
 from jaxpar.interop.export import STEP_REMEDY, checkpoint_step, write_safetensors, writes
+from jaxpar.interop import generate
 from jaxpar.interop.generate import Codec
 from jaxpar.models.hf_weights import (MIXTRAL_MOE, QWEN_MOE, Folder,  # noqa: F401 (the weights'
                                       _read_json, layers_of, load_params, names,  # side)
                                       read_param)
+from jaxpar.models import registry as jmodel
+from jaxpar.parallel import mesh as jmesh
 from jaxpar.train import checkpoint
+from jaxpar.train.step import Trainer
 
 GPT2, LLAMA = kinds.KINDS["gpt"].hf_architecture, kinds.KINDS["llama"].hf_architecture
 _GPT2_ACTS = ("gelu_new", "gelu_pytorch_tanh")  # what jax.nn.gelu (tanh form) computes
@@ -328,3 +333,92 @@ def write_tokenizer(codec: Codec, out_dir: str, max_length: int) -> list[str]:
       f.write("\n")
   return sorted({*sources, "tokenizer_config.json"})
 
+
+# The longest window a folder is sampled with unless model.seq_len is set: the key/value cache
+# holds (rows, window) keys per layer, and many folders allow 32k positions or more.
+MAX_WINDOW = 2048
+
+
+def sampler(folder: str, mesh_shape: tuple[int, ...] = (1, 1, 1), overrides=()) -> generate.Sampler:
+  """A generate.Sampler over a Hugging Face folder's weights (any architecture `architecture`
+  reads: jaxpar's exports and others), put onto the mesh's shardings tensor by tensor.
+
+  It speaks the folder's tokenizer.json (bytes without one). A prompt starts with the folder's
+  bos_token_id and a sample ends at its eos_token_id (generation_config.json's, else
+  config.json's; the first of a list), as transformers' generate does. The window
+  (model.seq_len) is the folder's longest position, at most MAX_WINDOW; `overrides` ('key=value'
+  words, e.g. model.seq_len=4096 or precision.param_dtype=bfloat16) win. An unsupported folder
+  is one sentence (ConfigError) before anything is read."""
+  _, hfc = architecture(folder)
+  positions = hfc.get("n_positions") or hfc.get("max_position_embeddings") or 0
+  sets = [f"model.init_from={folder}"] + ([f"model.seq_len={min(positions, MAX_WINDOW)}"]
+                                          if positions else [])
+  cfg = kinds.check(jconfig.load(None, sets + list(overrides), base=model_overrides))
+  generate.check_mesh(mesh_shape)
+  n = int(np.prod(mesh_shape))
+  jmesh.check(mesh_shape, cfg, min(n, len(jax.devices())))
+  trainer = Trainer(cfg, jmesh.make(mesh_shape, jax.devices()[:n]), jmodel.decoder(cfg))
+  params = load_params(folder, cfg.model, trainer.model.abstract, trainer.state_shardings["params"])
+  codec = Codec(cfg)
+  codec.bos = _token_id(folder, hfc, "bos_token_id", codec.bos)
+  codec.eos = _token_id(folder, hfc, "eos_token_id", codec.eos)
+  return generate.Sampler.from_trainer(cfg, trainer, params, codec)
+
+
+def _token_id(folder: str, hfc: dict, key: str, default: int) -> int:
+  """A special token's id as the folder gives it: generation_config.json, then config.json."""
+  path = os.path.join(folder, "generation_config.json")
+  for source in ((_read_json(path) if os.path.isfile(path) else {}), hfc):
+    value = source.get(key)
+    value = value[0] if isinstance(value, list) and value else value
+    if isinstance(value, int):
+      return value
+  return default
+
+
+def chat_template(folder: str) -> str | None:
+  """The folder's chat template (chat_template.jinja, else tokenizer_config.json's chat_template:
+  a string, or the one named "default" of a list), or None."""
+  path = os.path.join(folder, "chat_template.jinja")
+  if os.path.isfile(path):
+    with open(path) as f:
+      return f.read()
+  path = os.path.join(folder, "tokenizer_config.json")
+  template = _read_json(path).get("chat_template") if os.path.isfile(path) else None
+  if isinstance(template, list):
+    template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+  return template if isinstance(template, str) else None
+
+
+def render_chat(folder: str, messages: list[dict]) -> str:
+  """`messages` ([{"role", "content"}]) as the folder's chat template writes them, ending with
+  the assistant's turn opened (add_generation_prompt), in a jinja2 sandbox set up as
+  transformers' apply_chat_template sets it up (trim_blocks, lstrip_blocks, raise_exception,
+  the tokenizer_config.json's special tokens)."""
+  template = chat_template(folder)
+  if template is None:
+    raise ConfigError(f"{folder} has no chat template (chat_template.jinja, or chat_template in "
+                      f"tokenizer_config.json); leave out --chat to continue the prompt as text")
+  try:
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment  # the hf extra's; only chat needs it
+  except ImportError:
+    raise ConfigError("--chat renders the folder's chat template with jinja2, which is not "
+                      "installed: pip install 'jaxpar[hf]'") from None
+
+  def raise_exception(message):
+    raise TemplateError(message)
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+  env.globals["raise_exception"] = raise_exception
+  env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+  path = os.path.join(folder, "tokenizer_config.json")
+  tc = _read_json(path) if os.path.isfile(path) else {}
+  special = {}
+  for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+    token = tc.get(name)
+    special[name] = token.get("content") if isinstance(token, dict) else token
+  try:
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True,
+                                            **{k: v for k, v in special.items() if v is not None})
+  except TemplateError as e:
+    raise ConfigError(f"{folder}'s chat template refused the messages: {e}") from None
