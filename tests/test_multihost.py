@@ -149,6 +149,14 @@ def test_checkpoints_move_between_one_and_two_processes(runs):
     assert sorted(got) == steps
     for step in steps:
       assert rel(got[step], ref[step]) <= 1e-5, (step, got[step], ref[step])
+  # MFU's per-device peak is the host's over all 8 devices on it, whichever process holds them:
+  # measured once by the first run (two processes: the first measures, the second takes its
+  # figure) and taken from the checkpoint by each resume, one process or two
+  m0, r0 = runs.get("two_first")
+  peaks = [re.findall(r"^(?:\[0\] )?MFU: [\d.]+% of ([\d.]+ [GMT]FLOP/s per device) \((.*)\)$",
+                      r.stdout, re.M) for r in (r0, r1, r2)]
+  assert all(len(p) == 1 for p in peaks) and len({p[0] for p in peaks}) == 1, peaks
+  assert "divided among 8 devices of 2 processes on it" in peaks[0][0][1], peaks
 
 
 @pytest.mark.parametrize("processes", [2, 4])

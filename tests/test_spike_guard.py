@@ -48,6 +48,38 @@ def test_a_rollback_returns_to_the_judged_state_and_forgets_every_loss_after_it(
   assert (g.good.step, g.candidate.step) == (6, 8)
 
 
+def test_nan_weights_from_the_start_say_there_is_no_good_state(tmp_path):
+  """The state a run starts from is NaN (a model folder or checkpoint with NaN weights): the
+  guard rolls back once, sees that state give a non-finite loss on other batches too, and stops
+  saying the run holds no good state, rather than rolling back to it max_rollbacks times; the
+  run's sentence then says what its checkpoints hold (hooks.kept), here nothing."""
+  from jaxpar.train import checkpoint, hooks
+  g = SpikeGuard(factor=2.0, max_rollbacks=3)
+  g.start(0, state(float("nan")))
+  nan = {"loss": jnp.float32(jnp.nan), "grad_norm": jnp.float32(jnp.nan)}
+  restored, step = g.watch(1, state(float("nan")), nan)  # a bad batch? roll back once
+  assert step == 0 and g.rollbacks == 1
+  with pytest.raises(FloatingPointError) as e:
+    g.watch(1, restored, nan)  # the same state, the next batch: the state is bad
+  assert str(e.value) == (
+      "loss spike at step 1 (loss nan and gradient norm nan) right after rolling back to step 0: "
+      "the state of step 0 (the state the run started from) gives a non-finite loss on other "
+      "batches too, so the run holds no good state to roll back to; stopping without saving")
+  assert g.rollbacks == 1
+  with checkpoint.Checkpointer(str(tmp_path / "ckpt"), keep=1, every=0) as ckpt:
+    assert hooks.kept(ckpt) == (f"and no checkpoint has been written in {tmp_path / 'ckpt'}: "
+                                f"there is none to resume from")
+  # A rollback to a good state whose next loss is finite goes on as before
+  g = SpikeGuard(factor=2.0, steps=1, max_rollbacks=1)
+  g.start(0, state(1.0))
+  g.watch(1, state(1.0), {"loss": 1.0, "grad_norm": 1.0})
+  assert g.watch(2, state(2.0), nan)[1] == 0
+  g.watch(1, state(1.0), {"loss": 1.0, "grad_norm": 1.0})
+  with pytest.raises(FloatingPointError, match="after 1 rollbacks, the most "
+                     "train.max_rollbacks=1 allows; stopping without saving$"):
+    g.watch(2, state(2.0), nan)
+
+
 def test_the_guard_checks_its_settings_and_its_order_of_calls():
   with pytest.raises(ValueError, match="factor must be above 1"):
     SpikeGuard(factor=1.0)

@@ -8,8 +8,10 @@ functions that measure, so commands can list the kinds before the devices are se
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import socket
 import time
 from typing import Any
 
@@ -79,6 +81,35 @@ def _best_matmul_flops(device: Any, n: int, dtype: Any, repeats: int) -> float:
 
 
 _PEAK_CACHE: dict[tuple[str, str, int], tuple[float, str]] = {}
+_HOST_CACHE: dict[tuple[str, int], tuple[int, int, int]] = {}
+_HOSTS = "jaxpar/hosts/"  # key prefix in JAX's coordination service: each process's host
+_HOST_PEAK = "jaxpar/host_peak/"  # ... and the peak the first process on a host measured
+_EXCHANGE_MS = 300_000  # how long a process waits for the others' host, or its host's peak
+
+
+def _host(platform: str, n_local: int) -> tuple[int, int, int]:
+  """(devices of `platform` on this host over every process of the run, processes on it, the
+  lowest of them), from each process's host name and device count in JAX's coordination
+  service; (n_local, 1, this process) for one process. Every process must call it."""
+  import jax
+  key = (platform, n_local)
+  if key in _HOST_CACHE:
+    return _HOST_CACHE[key]
+  me, pc = jax.process_index(), jax.process_count()
+  client = None
+  if pc > 1:
+    from jax._src import distributed as jd  # the coordination service's key-value store
+    client = jd.global_state.client
+  if client is None:
+    _HOST_CACHE[key] = (n_local, 1, me)
+    return _HOST_CACHE[key]
+  host = socket.gethostname()
+  client.key_value_set(f"{_HOSTS}{me}", json.dumps([host, n_local]), allow_overwrite=True)
+  hosts = [json.loads(client.blocking_key_value_get(f"{_HOSTS}{p}", _EXCHANGE_MS))
+           for p in range(pc)]
+  same = [p for p, (h, _) in enumerate(hosts) if h == host]
+  _HOST_CACHE[key] = (sum(hosts[p][1] for p in same), len(same), min(same))
+  return _HOST_CACHE[key]
 
 
 def _cpu_model() -> str:
@@ -93,10 +124,10 @@ def _cpu_model() -> str:
   return ""
 
 
-def _measured_for(device: Any, n_local: int) -> list:
-  """What a measured peak holds for: the device kind and count, and on a CPU host its core count
-  and model."""
-  what = [device.platform, device.device_kind, n_local]
+def _measured_for(device: Any, n_devices: int) -> list:
+  """What a measured peak holds for: the device kind and count (on a CPU, of the whole host, over
+  every process on it), and on a CPU host its core count and model."""
+  what = [device.platform, device.device_kind, n_devices]
   return what + [os.cpu_count(), _cpu_model()] if device.platform == "cpu" else what
 
 
@@ -105,8 +136,10 @@ def peak_flops_per_device(earlier: dict | None = None) -> tuple[float, str]:
 
   GPUs use the datasheet dense bf16 peak for their `device_kind`; unknown accelerators are
   measured with a bf16 matmul. On CPU the host peak is measured with an fp32 1024³ matmul on one
-  device (XLA:CPU spreads it over all cores) and divided by the number of local CPU devices,
-  because simulated devices (--xla_force_host_platform_device_count) share those cores.
+  device (XLA:CPU spreads it over all cores) and divided by the number of CPU devices on this
+  host, every process's (simulated devices, --xla_force_host_platform_device_count, share those
+  cores): with several processes on one host the first of them measures while the others wait,
+  and they take its figure from JAX's coordination service.
   `earlier` is what `peak_record` made of a measurement by an earlier process of the same run (a
   restart reads it from its checkpoint): where it was measured for the same devices it is taken
   as it is, so MFU stays comparable across restarts and the matmul (0.1 s on a CPU) is not run.
@@ -120,12 +153,15 @@ def peak_flops_per_device(earlier: dict | None = None) -> tuple[float, str]:
     return _PEAK_CACHE[key]
   kind = device.device_kind
   match = sheet_for(kind) if device.platform != "cpu" else None
-  if match is None and earlier and earlier.get("for") == _measured_for(device, n_local):
+  on_host, processes, first = (_host(device.platform, n_local) if device.platform == "cpu"
+                               else (n_local, 1, 0))
+  if match is None and earlier and earlier.get("for") == _measured_for(device, on_host):
     peak, source = float(earlier["flops"]), str(earlier["source"])
   elif device.platform == "cpu":
-    host = _best_matmul_flops(device, 1024, jnp.float32, repeats=5)
-    peak = host / n_local
-    devices = f"{n_local} local device" + ("s" if n_local > 1 else "")
+    host = _host_peak(device, processes, first)
+    peak = host / on_host
+    devices = (f"{on_host} devices of {processes} processes on it" if processes > 1 else
+               f"{on_host} local device" + ("s" if on_host > 1 else ""))
     source = (f"measured fp32 matmul peak of this CPU host ({host / 1e9:.1f} GFLOP/s) divided "
               f"among {devices}: {peak / 1e9:.1f} GFLOP/s per device")
   elif match is not None:
@@ -138,12 +174,30 @@ def peak_flops_per_device(earlier: dict | None = None) -> tuple[float, str]:
   return peak, source
 
 
+def _host_peak(device: Any, processes: int, first: int) -> float:
+  """The host's fp32 matmul FLOP/s: measured here when this is the first (or only) process on
+  the host, else the first one's figure (measured while the others wait: at once, each would
+  measure a share of the cores)."""
+  import jax
+  import jax.numpy as jnp
+  if processes == 1:
+    return _best_matmul_flops(device, 1024, jnp.float32, repeats=5)
+  from jax._src import distributed as jd  # the coordination service's key-value store
+  client, key = jd.global_state.client, f"{_HOST_PEAK}{socket.gethostname()}"
+  if jax.process_index() == first:
+    host = _best_matmul_flops(device, 1024, jnp.float32, repeats=5)
+    client.key_value_set(key, repr(host), allow_overwrite=True)
+    return host
+  return float(client.blocking_key_value_get(key, _EXCHANGE_MS))
+
+
 def peak_record(peak: float, source: str) -> dict:
   """A peak as a checkpoint keeps it, for `peak_flops_per_device(earlier=...)` of a restart."""
   import jax
   device = jax.local_devices()[0]
   n_local = len(jax.local_devices(backend=device.platform))
-  return {"flops": peak, "source": source, "for": _measured_for(device, n_local)}
+  on_host = _host(device.platform, n_local)[0] if device.platform == "cpu" else n_local
+  return {"flops": peak, "source": source, "for": _measured_for(device, on_host)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -97,6 +97,9 @@ class SpikeGuard:
     self.good: Kept | None = None
     self.candidate: Kept | None = None
     self.rollbacks = 0
+    self.start_step: int | None = None  # the step of the state the run started from
+    self.back_to: int | None = None  # the step the last rollback returned to
+    self.finite = True  # whether the losses of the current run of high ones are all finite
 
   @classmethod
   def from_config(cls, tc: jconfig.TrainConfig) -> "SpikeGuard":
@@ -106,6 +109,7 @@ class SpikeGuard:
     """Takes one step's loss; the reason for a rollback, or None."""
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
       self.high.append(step)
+      self.finite = False
       return f"loss {loss} and gradient norm {grad_norm}"
     recent = [l for _, l in self.history[-self.window:]]
     median = float(np.median(recent)) if len(recent) >= min(5, self.window) else math.inf
@@ -117,6 +121,7 @@ class SpikeGuard:
                 f"{len(self.high)} step{'s' if len(self.high) > 1 else ''}")
     else:
       self.high.clear()
+      self.finite = True
     return None
 
   @property
@@ -139,6 +144,7 @@ class SpikeGuard:
     has been judged."""
     self.good = Kept(step, HostCopy(state), skipped, time.perf_counter(), beside)
     self.candidate = None
+    self.start_step = step
 
   def keep(self, step: int, state: dict, skipped: int = 0, beside: float = 0.0) -> None:
     """At a log step whose losses were all good: the candidate (judged by those losses) becomes
@@ -153,18 +159,39 @@ class SpikeGuard:
   def roll_back(self) -> Kept:
     """The good state's copy; forgets the candidate and the losses of the steps after it."""
     self.rollbacks += 1
+    self.back_to = self.good.step
+    self.finite = True
     self.high.clear()
     self.candidate = None
     self.history = [(s, l) for s, l in self.history if s <= self.good.step]
     return self.good
 
-  def give_up(self, first: int, last: int, why: str) -> FloatingPointError:
-    """The error for a spike at steps first..last past max_rollbacks."""
+  def no_good_state(self, first: int) -> bool:
+    """Whether a spike whose first high step is `first` shows that the good state is not good:
+    right after a rollback to it, the first loss it gives (on other batches than before) is
+    non-finite again, so rolling back to it once more would only repeat that."""
+    return (not self.finite and self.back_to is not None and self.good is not None
+            and self.back_to == self.good.step and first == self.good.step + 1)
+
+  def should_stop(self, first: int) -> bool:
+    """Whether a spike at `first` stops the run instead of rolling back."""
+    return self.rollbacks >= self.max_rollbacks or self.no_good_state(first)
+
+  def give_up(self, first: int, last: int, why: str, kept: str = "") -> FloatingPointError:
+    """The error for a spike at steps first..last that is not rolled back (`should_stop`);
+    `kept`: what the run's checkpoints hold, said after it."""
     steps = f"step {first}" if first == last else f"steps {first}-{last}"
+    tail = f"; stopping without saving{f', {kept}' if kept else ''}"
+    if self.no_good_state(first):
+      g = self.good.step
+      began = " (the state the run started from)" if g == self.start_step else ""
+      return FloatingPointError(
+          f"loss spike at {steps} ({why}) right after rolling back to step {g}: the state of "
+          f"step {g}{began} gives a non-finite loss on other batches too, so the run holds no "
+          f"good state to roll back to{tail}")
     return FloatingPointError(
         f"loss spike at {steps} ({why}) after {self.rollbacks} rollbacks, the most "
-        f"train.max_rollbacks={self.max_rollbacks} allows; stopping without saving (the last "
-        f"good checkpoint is kept)")
+        f"train.max_rollbacks={self.max_rollbacks} allows{tail}")
 
   def watch(self, step: int, state: dict, metrics: dict) -> tuple[dict, int]:
     """For a loop of your own: judges the loss of `step` (metrics["loss"] and
@@ -177,7 +204,7 @@ class SpikeGuard:
     loss, grad_norm = (float(x) for x in jax.device_get((metrics["loss"], metrics["grad_norm"])))
     why = self.judge(step, loss, grad_norm)
     if why is not None:
-      if self.rollbacks >= self.max_rollbacks:
+      if self.should_stop(self.high[0]):
         raise self.give_up(self.high[0], step, why)
       good = self.roll_back()
       return good.copy.restore(), good.step

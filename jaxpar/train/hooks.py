@@ -70,8 +70,10 @@ class Reporter:
   guard, and the newest logged."""
 
   def __init__(self, cfg: jconfig.Config, trainer, logger: jmetrics.MetricsLogger,
-               rate: Throughput, compile_info: dict, peak: float, skipped: int):
+               rate: Throughput, compile_info: dict, peak: float, skipped: int,
+               kept=lambda: ""):
     self.cfg, self.trainer, self.logger, self.rate = cfg, trainer, logger, rate
+    self.kept = kept  # () -> what the run's checkpoints hold, for a stop's sentence
     self.compile_info, self.peak = compile_info, peak
     self.guard = SpikeGuard.from_config(cfg.train) if cfg.train.spike_factor else None
     self.skipped = skipped  # steps whose update was dropped (skip_nonfinite, dynamic scaling)
@@ -98,8 +100,9 @@ class Reporter:
       return self.guard.judge(s, loss, grad_norm)  # gradient still makes the state NaN
     if (not (math.isfinite(loss) and math.isfinite(grad_norm)) and not cfg.train.skip_nonfinite
         and not trainer.dynamic_scale):  # dynamic scaling skips an overflow and backs off
+      kept = self.kept()
       raise FloatingPointError(f"loss is {loss} and gradient norm {grad_norm} at step {s}; "
-                               f"stopping without saving (the last good checkpoint is kept)")
+                               f"stopping without saving{f', {kept}' if kept else ''}")
     return None
 
   def flush(self, now_step: int, extra: dict | None = None) -> tuple[int, int, str] | None:
@@ -155,6 +158,16 @@ class Reporter:
     return out
 
 
+def kept(ckpt) -> str:
+  """What a run that stops without saving leaves in `ckpt` (a Checkpointer), for its sentence."""
+  latest = ckpt.latest_step()
+  if ckpt.saving():
+    return "the checkpoint being written is completed and kept"
+  if latest is None:
+    return f"and no checkpoint has been written in {ckpt.directory}: there is none to resume from"
+  return f"the newest checkpoint, of step {latest}, is kept"
+
+
 class Rollbacks:
   """The loop's side of the spike guard: when to copy the state, the rollback itself, and saves
   put off while a high loss is being judged."""
@@ -186,8 +199,8 @@ class Rollbacks:
   def roll_back(self, first: int, last: int, why: str, now: int) -> tuple[Any, int]:
     """The state and step to go on from after the spike at steps first..last, found at `now`."""
     guard = self.guard
-    if guard.rollbacks >= guard.max_rollbacks:
-      raise guard.give_up(first, last, why)
+    if guard.should_stop(first):
+      raise guard.give_up(first, last, why, self.reporter.kept())
     with self.split.part("rollback"):
       good = guard.roll_back()
       restored = good.copy.restore()

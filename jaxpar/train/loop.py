@@ -125,7 +125,7 @@ class _Run:
                                     is_main=self.is_main, progress=progress and self.is_main)
     self.rate = hooks.Throughput(resumed=self.start > 0)
     self.report = hooks.Reporter(cfg, trainer, logger, self.rate, self.compile_info, self.peak,
-                                 skipped)
+                                 skipped, kept=lambda: hooks.kept(self.ckpt))
     self.rollbacks = hooks.Rollbacks(cfg, self.report, split, log) if self.report.guard else None
     if self.rollbacks:
       self.rollbacks.start(self.start, self.state)
