@@ -12,8 +12,12 @@ folder (train.compile_cache) that nothing else uses:
   new_run  the same command in another workdir: a new run of the same layout, same cache.
 The cold run compiles the step (past JAX's cache) and keeps it in jaxpar's step store
 (jaxpar/train/executables.py), so the restart and the new run load it without tracing
-(`step_store: hit`); their `compile_s` is that load, the entry's MAC check included. With --repeat N each case runs N times, each from a fresh cache, and the ratios are
-the medians (with their ranges). Each run starts once the files of the one before are on disk
+(`step_store: hit`); their `compile_s` is that load, the entry's MAC check included. JAX's own
+programs (the init's, the helpers') are kept sealed as well (jaxpar/train/cache_folder.py) and
+checked as they load: `mac_check` times that check alone, in this process, over every entry the
+runs left (both subfolders, each entry read once, then checked `CHECK_REPEAT` times; the median
+of wall and of CPU seconds), against the restart's `startup_s`. With --repeat N each case runs
+N times, each from a fresh cache, and the ratios are the medians (with their ranges). Each run starts once the files of the one before are on disk
 (os.sync), as a restart after a preemption does.
 Each run is stopped by SIGTERM once its first metrics row is written (it saves a checkpoint and
 exits 0, as a preempted job does). Time to first step is wall seconds from starting the process
@@ -55,6 +59,7 @@ CASES = {
                              "--set", "data.source=synthetic", "train.batch_size=8"]),
 }
 STEPS = 20  # never reached: each run is stopped after its first step
+CHECK_REPEAT = 7
 
 
 def child_env() -> dict:
@@ -111,6 +116,31 @@ def folder_bytes(path: str) -> tuple[int, int]:
   return len(files), sum(os.path.getsize(f) for f in files)
 
 
+def mac_check(cache: str) -> dict:
+  """Seconds the MAC check of every entry in the cache's two subfolders takes (what a run that
+  loads all of them spends checking), by subfolder: entries, bytes, median wall and CPU s."""
+  from jaxpar.train import cache_folder, executables
+  out = {}
+  for sub, magic, suffix in ((cache_folder.JAX_FOLDER, cache_folder.PROGRAM_MAGIC,
+                              cache_folder.PROGRAM_SUFFIX),
+                             (executables.FOLDER, executables.MAGIC, executables.SUFFIX)):
+    folder = cache_folder.open_folder(cache, sub)
+    blobs = [(n[:-len(suffix)], folder.read(n)) for n in sorted(os.listdir(folder.path))
+             if n.endswith(suffix) and not n.startswith(".")]
+    wall, cpu = [], []
+    for _ in range(CHECK_REPEAT):
+      w0, c0 = time.perf_counter(), time.process_time()
+      for key, blob in blobs:
+        if cache_folder.unseal(magic, key, blob)[1] is not None:
+          raise SystemExit(f"an entry of {folder.path} fails its check")
+      wall.append(time.perf_counter() - w0)
+      cpu.append(time.process_time() - c0)
+    out[sub] = {"entries": len(blobs), "bytes": sum(len(b) for _, b in blobs),
+                "check_wall_s": round(statistics.median(wall), 5),
+                "check_cpu_s": round(statistics.median(cpu), 5)}
+  return out
+
+
 def case(name: str) -> dict:
   mesh, args = CASES[name]
   tmp = tempfile.mkdtemp(prefix=f"jaxpar-startup-{name}-")
@@ -121,14 +151,17 @@ def case(name: str) -> dict:
     entries, size = folder_bytes(cache)
     rows["restart"] = one_run(mesh, args, os.path.join(tmp, "wd"), cache, os.path.join(tmp, "m"))
     rows["new_run"] = one_run(mesh, args, os.path.join(tmp, "wd2"), cache, os.path.join(tmp, "m"))
+    checked = mac_check(cache)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
   cold = rows["cold"]
   ratios = {f"{run}_{key}_vs_cold": round(rows[run][key] / cold[key], 3)
             for run in ("restart", "new_run")
             for key in ("compile_s", "time_to_first_step_s", "startup_s")}
+  check_s = sum(c["check_wall_s"] for c in checked.values())
+  ratios["mac_check_s_vs_restart_startup_s"] = round(check_s / rows["restart"]["startup_s"], 5)
   return {"mesh": mesh, "args": args, "runs": rows, "ratios": ratios,
-          "cache_entries": entries, "cache_bytes": size}
+          "cache_entries": entries, "cache_bytes": size, "mac_check": checked}
 
 
 def repeated(name: str, times: int) -> dict:

@@ -171,9 +171,9 @@ class TrainConfig:
   # (a folder or off), else $XDG_CACHE_HOME/jaxpar/xla (~/.cache/jaxpar/xla); "off" = no cache;
   # else the folder to use.
   compile_cache: str = ""
-  # The most the cache keeps, in GiB, for JAX's programs and again for jaxpar's stored steps
-  # (<cache>/jaxpar-steps): past it the least recently used entries go first. 0 = no bound (JAX's
-  # own default); $JAX_COMPILATION_CACHE_MAX_SIZE, where set, bounds JAX's programs instead.
+  # The most the cache keeps, in GiB, for JAX's programs (<cache>/jax) and again for jaxpar's
+  # stored steps (<cache>/jaxpar-steps): past it the least recently used entries go first (only
+  # entries jaxpar wrote there ever go). 0 = no bound.
   compile_cache_max_gb: float = 10.0
   # mixture of experts: weights of the router's load-balancing loss (Switch/Mixtral: n_experts x
   # sum over experts of token fraction x mean router probability) and z-loss (ST-MoE: mean squared

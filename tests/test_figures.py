@@ -297,7 +297,32 @@ QUOTED = [
      "{}x ({}-{}x) | {}x |", lambda: startup("gpt_medium")[:7]),
     ("docs/checkpoints.md", "| `configs/gpt_medium.yaml`, 8x1x1, batch 8 | new workdir (initialises "
      "its state) | {}x | {}x | {}x |", lambda: startup("gpt_medium")[7:]),
+    ("docs/checkpoints.md", "| what (AMD EPYC 2-core, 2026-12-07, load {}-{}) |",
+     lambda: [r(ref("startup_mac_check")[f"load_average_at_{w}"][0], 1) for w in ("start", "end")]),
+    ("docs/checkpoints.md", "| JAX's programs the runs left | {} ({} MB) | {} ({} MB) |",
+     lambda: [v for i in (0, 1) for v in (mac_check(0, "entries")[i], mac_check(2, "MB")[i])]),
+    ("docs/checkpoints.md", "| their MAC check, every one (CPU time) | {} ms | {} ms |",
+     lambda: mac_check(2, "ms")),
+    ("docs/checkpoints.md", "| against the restart's start-up | {} s: {}% | {} s: {}% |",
+     lambda: [v for i in (0, 1) for v in (mac_check(1, "s")[i], mac_check(3, "%")[i])]),
+    ("docs/checkpoints.md", "under 1 ms for all of JAX's programs a restart loads ({} and {} ms",
+     lambda: mac_check(1, "ms")),
 ]
+
+
+def mac_check(digits: int, what: str) -> list[str]:
+  """The startup benchmark's check of JAX's programs (default, gpt_medium): its CPU ms, the
+  programs' count or MB, the check's share of the restart's startup_s (%), or that startup_s."""
+  out = []
+  for case in ("default", "gpt_medium"):
+    c = ref("startup_mac_check")["cases"][case]
+    jax_, startup_s = c["mac_check"]["jax"], c["runs"]["restart"]["startup_s"]
+    out.append({"ms": lambda: r(jax_["check_cpu_s"] * 1e3, digits),
+                "entries": lambda: str(jax_["entries"]),
+                "MB": lambda: r(jax_["bytes"] / 1e6, digits),
+                "%": lambda: r(jax_["check_cpu_s"] / startup_s * 100, digits),
+                "s": lambda: r(startup_s, digits)}[what]())
+  return out
 
 
 def flat(text: str) -> str:

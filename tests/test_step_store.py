@@ -20,7 +20,7 @@ import pytest
 
 from jaxpar import config
 from jaxpar.commands import cli
-from jaxpar.train import executables, loop
+from jaxpar.train import cache_folder, executables, loop
 from test_goodput import PLAN, ROOT, TINY, TRAIN, child_env, records, run
 
 
@@ -64,6 +64,47 @@ class Planted:
     return (os.mkdir, (self.marker,))
 
 
+OTHER_UID = 12345  # another user's files (the tests run as root, so chown works)
+
+
+def plant_user_files(*folders):
+  """A user's files in each folder, as the attack left them: one written under umask 002 (0664),
+  one 0666, one of another user; in a subfolder of jaxpar's also one named as an entry is
+  (of another user). Returns {path: (bytes, mode, uid)}."""
+  planted = {}
+  umask = os.umask(0o002)
+  try:
+    for folder in folders:
+      for name, mode, uid in (("results.csv", None, None), ("notes.txt", 0o666, None),
+                              ("theirs.bin", 0o644, OTHER_UID)):
+        path = folder / name
+        path.write_bytes(b"a user's data " + name.encode())
+        if mode is not None:
+          path.chmod(mode)
+        if uid is not None:
+          os.chown(path, uid, uid)
+      suffix = {executables.FOLDER: executables.SUFFIX,
+                cache_folder.JAX_FOLDER: cache_folder.PROGRAM_SUFFIX}.get(folder.name)
+      if suffix:
+        entry = folder / f"{'e' * 64}{suffix}"
+        entry.write_bytes(b"another user's")
+        os.chown(entry, OTHER_UID, OTHER_UID)
+  finally:
+    os.umask(umask)
+  for path in [p for folder in folders for p in folder.iterdir() if p.is_file()]:
+    if path.read_bytes().startswith((b"a user's", b"another user's")):
+      st = path.stat()
+      planted[path] = (path.read_bytes(), st.st_mode & 0o777, st.st_uid)
+  assert {m for _, m, _ in planted.values()} >= {0o664, 0o666} and len(planted) >= 3 * len(folders)
+  return planted
+
+
+def assert_untouched(planted):
+  for path, (data, mode, uid) in planted.items():
+    st = path.stat()
+    assert (path.read_bytes(), st.st_mode & 0o777, st.st_uid) == (data, mode, uid), path
+
+
 def store_run(args, secret):
   """run(args) with the step store's secret in `secret` (never the user's own)."""
   return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=180,
@@ -73,20 +114,22 @@ def store_run(args, secret):
 def test_plan_stores_the_step_train_loads_it_and_a_planted_entry_is_never_unpickled(tmp_path):
   cache, secret = tmp_path / "cache", tmp_path / "config" / "secret"
   common = ["--set", *TINY, f"train.compile_cache={cache}"]
-  r = store_run([PLAN, "--mesh", "2x1x1", "--json", *common], secret)
+  r = store_run([PLAN, "--mesh", "1x1x1", "--json", *common], secret)
   assert r.returncode == 0, r.stderr
-  # plan.py kept the step it compiled, under the key train.py looks up; the folders are this
-  # user's alone, the entry and the secret readable by this user only.
-  store = cache / "jaxpar-steps"
+  # plan.py kept the step it compiled, under the key train.py looks up (on one device too,
+  # where plan.py once set XLA's device count and train.py not); the folders are this user's
+  # alone, the entry and the secret readable by this user only.
+  store, programs = cache / "jaxpar-steps", cache / "jax"
   [entry] = store.glob("*.pkl")
-  for path, mode in ((cache, 0o700), (store, 0o700), (entry, 0o600), (secret, 0o600)):
+  for path, mode in ((cache, 0o700), (store, 0o700), (programs, 0o700), (entry, 0o600),
+                     (secret, 0o600)):
     assert path.stat().st_mode & 0o777 == mode, path
   assert entry.read_bytes().startswith(executables.MAGIC)
 
   # train.py loads it without tracing, though train.log_every and checkpoint.every differ from
   # plan.py's: neither enters the step.
   m, wd = tmp_path / "m.jsonl", tmp_path / "wd"
-  two = [TRAIN, "--mesh", "2x1x1", "--workdir", str(wd), "--metrics-file", str(m),
+  two = [TRAIN, "--mesh", "1x1x1", "--workdir", str(wd), "--metrics-file", str(m),
          "--no-progress", *common, "train.log_every=2", "checkpoint.every=2"]
   r = store_run(two, secret)
   assert r.returncode == 0, r.stderr
@@ -99,7 +142,7 @@ def test_plan_stores_the_step_train_loads_it_and_a_planted_entry_is_never_unpick
   # (past JAX's cache, so that it can be kept) and stores it anew.
   marker = tmp_path / "planted-ran"
   entry.write_bytes(pickle.dumps(Planted(marker)))
-  r = store_run([TRAIN, "--mesh", "2x1x1", "--workdir", str(tmp_path / "wd1"), "--no-progress",
+  r = store_run([TRAIN, "--mesh", "1x1x1", "--workdir", str(tmp_path / "wd1"), "--no-progress",
                  *common], secret)
   assert r.returncode == 0, r.stderr
   assert not marker.exists()
@@ -121,18 +164,24 @@ def test_plan_stores_the_step_train_loads_it_and_a_planted_entry_is_never_unpick
 
   # A bound (train.compile_cache_max_gb) reaches both: a run of another step under a bound of
   # 0.1 MiB, below one stored step (~0.8 MiB), keeps its own step alone in the store, and the
-  # programs the earlier runs left in JAX's cache (0.2 MiB: the steps are not there) are cut to
-  # the bound as it starts.
-  kept, bound = list(store.glob("*.pkl")), int(0.0001 * 2**30)
-  before = {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in cache.glob("*-cache")}
+  # programs the earlier runs left in JAX's cache (0.1 MiB: the steps are not there) are cut to
+  # the bound as it starts. The user's files beside them are left as they are (one note each
+  # folder): jaxpar removes only what it wrote.
+  kept, bound = list(store.glob("*.pkl")), int(0.00005 * 2**30)
+  before = {p: (p.stat().st_size, p.stat().st_ino) for p in programs.glob("*.xla")}
   assert sum(size for size, _ in before.values()) > bound
+  planted = plant_user_files(cache, store, programs)
   r = store_run([TRAIN, "--mesh", "1x1x1", "--workdir", str(tmp_path / "wd2"), "--no-progress",
-                 *common, "train.lr=0.5", "train.compile_cache_max_gb=0.0001"], secret)
+                 *common, "train.lr=0.5", "train.compile_cache_max_gb=0.00005"], secret)
   assert r.returncode == 0, r.stderr
-  assert len(list(store.glob("*.pkl"))) == 1 and not set(store.glob("*.pkl")) & set(kept)
-  left = [size for p, (size, mtime) in before.items()  # not written again by this run
-          if p.exists() and p.stat().st_mtime_ns == mtime]
+  steps = set(store.glob("*.pkl")) - set(planted)
+  assert len(steps) == 1 and not steps & set(kept)
+  left = [size for p, (size, inode) in before.items()  # kept, not written again by this run
+          if p.exists() and p.stat().st_ino == inode]
   assert left and sum(left) <= bound
+  assert_untouched(planted)
+  for folder in (programs, store):
+    assert f"4 file(s) in {folder} were not written by jaxpar" in r.stderr, r.stderr
 
 
 def test_a_cache_folder_that_cannot_be_made_is_one_sentence(tmp_path):
@@ -148,10 +197,11 @@ def test_a_cache_folder_that_cannot_be_made_is_one_sentence(tmp_path):
 
 @pytest.fixture
 def own_secret(tmp_path, monkeypatch):
-  """The step store's secret in a fresh file of this test's."""
+  """The step store's secret in a fresh file of this test's; the folders opened, closed after."""
   monkeypatch.setenv(executables.ENV_SECRET, str(tmp_path / "secret"))
-  monkeypatch.setattr(executables, "_secret", None)
-  return tmp_path / "secret"
+  monkeypatch.setattr(cache_folder, "_secret", None)
+  yield tmp_path / "secret"
+  cache_folder.forget()
 
 
 def test_the_step_store_keys_what_makes_the_step_and_a_bad_entry_is_a_miss(
@@ -180,6 +230,12 @@ def test_the_step_store_keys_what_makes_the_step_and_a_bad_entry_is_a_miss(
   with monkeypatch.context() as m:
     m.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=true")
     assert executables.fingerprint(trainer, batch, sharding) != key
+  with monkeypatch.context() as m:  # plan.py and train.py set XLA's device count apart: the
+    flags = os.environ["XLA_FLAGS"]   # devices the step runs on are keyed themselves
+    assert "--xla_force_host_platform_device_count=8" in flags
+    for count in ("", "--xla_force_host_platform_device_count=2"):
+      m.setenv("XLA_FLAGS", flags.replace("--xla_force_host_platform_device_count=8", count))
+      assert executables.fingerprint(trainer, batch, sharding) == key
   with monkeypatch.context() as m:  # a cluster job's own coordinator port: the same step
     m.setenv("JAX_COORDINATOR_PORT", "61234")
     m.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:61234")
@@ -244,11 +300,12 @@ def test_the_step_store_keys_what_makes_the_step_and_a_bad_entry_is_a_miss(
   trainer = loop.Trainer(cfg, jmesh.make((2, 2, 1), devs), loop.build_model(cfg))
   sharding = trainer.batch_sharding(batch)
   compiled = executables.compile_fresh(trainer.lower(batch))
-  where = tmp_path / "store"
-  assert executables.save(str(where), key, compiled)
+  store = executables.store_folder(str(tmp_path / "cache"))
+  where = pathlib.Path(store.path)
+  assert executables.save(store, key, compiled)
   assert where.stat().st_mode & 0o777 == 0o700 and own_secret.stat().st_mode & 0o777 == 0o600
   args, devs = (trainer.abstract_state, batch), list(trainer.mesh.devices.flat)
-  loaded = executables.load(str(where), key, args, devs)
+  loaded = executables.load(store, key, args, devs)
   tokens = np.random.default_rng(0).integers(0, 256, batch["tokens"].shape, np.int32)
   data = {"tokens": jax.device_put(tokens, sharding["tokens"])}
   ran = [c(trainer.init(0), data) for c in (compiled, loaded)]
@@ -257,7 +314,7 @@ def test_the_step_store_keys_what_makes_the_step_and_a_bad_entry_is_a_miss(
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   path = where / f"{key}.pkl"
   os.utime(path, (1e9, 1e9))
-  assert executables.load(str(where), key, args, devs) is not None
+  assert executables.load(store, key, args, devs) is not None
   assert path.stat().st_mtime > time.time() - 600  # a load marks its entry used
   good = path.read_bytes()
 
@@ -265,15 +322,15 @@ def test_the_step_store_keys_what_makes_the_step_and_a_bad_entry_is_a_miss(
   # before anything is unpickled, an entry whose check fails: a step of lr 0 relabelled with
   # this key, one flipped bit, a cut-short file, an entry made with another secret.
   notes = []
-  load = lambda: executables.load(str(where), key, args, devs, say=notes.append)
-  assert executables.load(str(where), "0" * 64, args, devs, say=notes.append) is None
-  assert executables.load(str(where), key, (trainer.abstract_state, bigger), devs) is None
-  assert executables.load(str(where), key, (trainer.abstract_state, {"x": batch["tokens"]}),
+  load = lambda: executables.load(store, key, args, devs, say=notes.append)
+  assert executables.load(store, "0" * 64, args, devs, say=notes.append) is None
+  assert executables.load(store, key, (trainer.abstract_state, bigger), devs) is None
+  assert executables.load(store, key, (trainer.abstract_state, {"x": batch["tokens"]}),
                           devs) is None
   assert notes == []
   zero = loop.Trainer(config.override(cfg, train={"lr": 0.0}), trainer.mesh, trainer.model)
   zero_key = executables.fingerprint(zero, batch, sharding)
-  assert executables.save(str(where), zero_key, executables.compile_fresh(zero.lower(batch)))
+  assert executables.save(store, zero_key, executables.compile_fresh(zero.lower(batch)))
   relabelled = (where / f"{zero_key}.pkl").read_bytes().replace(zero_key.encode(), key.encode())
   flipped = bytearray(good)
   flipped[int(len(good) * 0.8)] ^= 0x10  # inside the executable: without a MAC it still loads
@@ -282,87 +339,244 @@ def test_the_step_store_keys_what_makes_the_step_and_a_bad_entry_is_a_miss(
     assert load() is None
   assert len(notes) == 3 and all(f"the stored step {path} is not loaded" in n for n in notes)
   path.write_bytes(good)
-  monkeypatch.setattr(executables, "_secret", b"another user's secret")
+  monkeypatch.setattr(cache_folder, "_secret", b"another user's secret")
   assert load() is None and "MAC does not match" in notes[-1]
   assert sorted(p.name for p in where.iterdir()) == sorted([path.name, f"{zero_key}.pkl"])
 
 
-def test_an_untrusted_cache_folder_is_refused_with_one_note(tmp_path, monkeypatch, capsys,
-                                                            own_secret):
+def cache_cfg(folder, *more):
+  return config.load(None, [f"train.compile_cache={folder}", *more])
+
+
+def test_jaxpar_removes_only_what_it_wrote_and_keeps_its_subfolders_private(
+    tmp_path, monkeypatch, capsys, own_secret):
   updates = {}
   monkeypatch.setattr(jax.config, "update", lambda name, value: updates.__setitem__(name, value))
-  # Made by jaxpar, a folder is this user's alone, whatever the umask.
+  # Made by jaxpar, a folder and each missing one above it are this user's alone, whatever the
+  # umask; so are jaxpar's subfolders in it.
   made = tmp_path / "made" / "cache"
   umask = os.umask(0)
   try:
-    assert cli.use_compile_cache(config.load(None, [f"train.compile_cache={made}"])) == str(made)
+    assert cli.use_compile_cache(cache_cfg(made)) == str(made)
   finally:
     os.umask(umask)
-  assert made.stat().st_mode & 0o777 == 0o700 and updates["jax_enable_compilation_cache"]
+  for path in (made.parent, made, made / cache_folder.JAX_FOLDER):
+    assert path.stat().st_mode & 0o777 == 0o700, path
+  assert updates["jax_enable_compilation_cache"]
+  assert updates["jax_compilation_cache_dir"] == str(made)
   assert capsys.readouterr().err == ""
-  # In a trusted folder, a program others could have written (from when it was shared) goes.
-  (made / "jit_step-cache").write_bytes(b"x")
-  (made / "jit_step-cache").chmod(0o666)
-  (made / "jit_init-cache").write_bytes(b"x")
-  cli.use_compile_cache(config.load(None, [f"train.compile_cache={made}"]))
-  assert [p.name for p in made.iterdir()] == ["jit_init-cache"]
-  [note] = capsys.readouterr().err.splitlines()
-  assert note.startswith(f"note: removed 1 file(s) of the compilation cache {made}")
-  # One that its group may write is not used at all (JAX's programs there are run as found, as
-  # stored steps are): one note naming it and the way out, and the run goes on without a cache.
-  shared = tmp_path / "shared"
-  shared.mkdir()
-  shared.chmod(0o770)
-  updates.clear()
-  assert cli.use_compile_cache(config.load(None, [f"train.compile_cache={shared}"])) is None
-  assert updates == {"jax_enable_compilation_cache": False}
-  [note] = capsys.readouterr().err.splitlines()
-  assert note.startswith(f"note: the folder {shared} is writable by its group")
-  assert f"chmod go-w {shared}" in note and "train.compile_cache" in note
-  # A trusted cache with a store folder others may write (an older jaxpar made it under umask
-  # 000): the store is not used, with one note; a load or a save there reads and writes nothing.
-  store = tmp_path / "cache" / executables.FOLDER
-  store.mkdir(parents=True, mode=0o700)
-  store.chmod(0o777)
-  (store / f"{'a' * 64}.pkl").write_bytes(pickle.dumps(Planted(tmp_path / "ran")))
+  # A user's own folder (0755) with the user's files in it, written under umask 002, one 0666,
+  # one of another user; and the same in jaxpar's subfolders, with one named as an entry is.
+  # jaxpar's subfolders are made 0700; the folder keeps its mode; JAX's programs and the stored
+  # steps are written 0600 whatever the umask, so the next start keeps them.
+  mine = tmp_path / "mine"
+  mine.mkdir()
+  mine.chmod(0o755)
+  umask = os.umask(0o002)
+  try:
+    cli.use_compile_cache(cache_cfg(mine))
+    store = executables.store_folder(str(mine))
+    programs = cache_folder.open_folder(str(mine), cache_folder.JAX_FOLDER)
+    cache_folder.SealedPrograms(programs).put("jit_old-0", b"an old program")
+    cache_folder.SealedPrograms(programs).put("jit_new-1", b"a new program")
+    compiled = executables.compile_fresh(jax.jit(lambda x: x * 2.5).lower(np.ones(3, np.float32)))
+    assert executables.save(store, "c" * 64, compiled)
+  finally:
+    os.umask(umask)
+  folders = (mine, mine / cache_folder.JAX_FOLDER, mine / executables.FOLDER)
+  assert [f.stat().st_mode & 0o777 for f in folders] == [0o755, 0o700, 0o700]
+  ours = [p for f in folders[1:] for p in f.iterdir()]
+  assert len(ours) == 3 and all(p.stat().st_mode & 0o777 == 0o600 for p in ours)
+  old = programs.path + "/" + cache_folder.SealedPrograms.name("jit_old-0") + ".xla"
+  os.utime(old, (1e9, 1e9))
+  planted = plant_user_files(*folders)
+  capsys.readouterr()
+  # Bounds below what is there: the least recently used program goes as a run starts, the other
+  # stored step as a step is kept; nothing of the user's goes, whatever its mode or owner (one
+  # note in each subfolder: left as it is, never read).
+  assert cli.use_compile_cache(cache_cfg(mine, "train.compile_cache_max_gb=1.5e-7")) == str(mine)
   notes = []
-  assert executables.store_folder(str(store.parent), notes.append) is None
-  assert executables.load(str(store), "a" * 64, (), [], say=notes.append) is None
+  assert executables.save(store, "d" * 64, compiled, max_bytes=1, say=notes.append)
+  assert_untouched(planted)
+  assert not os.path.exists(old) and len(list(folders[1].glob("*.xla"))) == 2  # new + planted
+  assert sorted(p.name for p in folders[2].glob("*.pkl")) == [f"{'d' * 64}.pkl", f"{'e' * 64}.pkl"]
+  [started] = capsys.readouterr().err.splitlines()
+  for note, folder in ((started, folders[1]), (notes[0], folders[2])):
+    assert f"4 file(s) in {folder} were not written by jaxpar" in note, note
+
+
+def test_a_cache_path_others_could_change_or_a_bad_secret_turns_the_cache_off_with_one_note(
+    tmp_path, monkeypatch, capsys, own_secret):
+  updates = {}
+  monkeypatch.setattr(jax.config, "update", lambda name, value: updates.__setitem__(name, value))
+  # A folder its group may write, or one under a folder anyone may write (no sticky bit), is not
+  # used at all (JAX's programs and the steps there would be run as found): one note naming the
+  # folder and the way out, and the run goes on without a cache.
+  shared, open_parent = tmp_path / "shared", tmp_path / "open"
+  for folder, mode in ((shared, 0o770), (open_parent, 0o777)):
+    folder.mkdir()
+    folder.chmod(mode)
+  for cache, named, who in ((shared, shared, "its group"),
+                            (open_parent / "cache", open_parent, "its group and others")):
+    updates.clear()
+    assert cli.use_compile_cache(cache_cfg(cache)) is None
+    assert updates == {"jax_enable_compilation_cache": False}
+    [note] = capsys.readouterr().err.splitlines()
+    assert note.startswith(f"note: the folder {named} is writable by {who}"), note
+    assert f"chmod go-w {named}" in note and "no compilation cache, no step store" in note
+  assert not (open_parent / "cache" / cache_folder.JAX_FOLDER).exists()
+  # Under a folder anyone may write but with the sticky bit (/tmp), others cannot move it: used.
+  sticky = tmp_path / "sticky"
+  sticky.mkdir()
+  sticky.chmod(0o1777)
+  assert cli.use_compile_cache(cache_cfg(sticky / "cache")) == str(sticky / "cache")
+  # A store folder that became writable by others after it was opened: a load or a save there
+  # reads and writes nothing, with a note.
+  store = executables.store_folder(str(tmp_path / "cache"))
+  os.chmod(store.path, 0o777)
+  planted = pathlib.Path(store.path) / f"{'a' * 64}.pkl"
+  planted.write_bytes(pickle.dumps(Planted(tmp_path / "ran")))
+  notes = []
+  assert executables.load(store, "a" * 64, (), [], say=notes.append) is None
   assert not (tmp_path / "ran").exists()
-  assert len(notes) == 2 and all(f"the folder {store} is writable by its group and others" in n
-                                 for n in notes)
-  # A secret others may read proves nothing: no store, one note.
-  store.chmod(0o700)
-  assert executables.store_folder(str(store.parent), notes.append) == str(store)
-  # Another user's folder, mode 0700, is theirs to plant in: not used (root gives it away; any
-  # other user runs as someone else for a moment).
+  assert len(notes) == 1
+  assert f"the folder {store.path} is writable by its group and others" in notes[0]
+  # Another user's subfolder, mode 0700, is theirs to plant in: not used, whether met as the
+  # store is opened or after (root gives it away; any other user runs as someone else a moment).
+  os.chmod(store.path, 0o700)
+  theirs = tmp_path / "theirs" / executables.FOLDER
+  theirs.mkdir(parents=True, mode=0o700)
   me = os.getuid()
   with monkeypatch.context() as m:
     if me == 0:
       owner = 4242
-      os.chown(store, owner, -1)
+      for folder in (store.path, theirs):
+        os.chown(folder, owner, -1)
     else:
       owner, me = me, me + 1
-      m.setattr(executables.os, "getuid", lambda: me)
+      m.setattr(cache_folder, "_uid", lambda: me)
     notes.clear()
-    assert executables.store_folder(str(store.parent), notes.append) is None
-    assert executables.load(str(store), "a" * 64, (), [], say=notes.append) is None
-  assert not (tmp_path / "ran").exists()
-  assert len(notes) == 2 and all(f"the folder {store} belongs to user id {owner}, not to this "
-                                 f"user ({me})" in n for n in notes), notes
-  os.chown(store, os.getuid(), -1)
-  assert own_secret.stat().st_mode & 0o777 == 0o600
+    assert executables.store_folder(str(theirs.parent), notes.append) is None
+    assert executables.load(store, "a" * 64, (), [], say=notes.append) is None
+  assert len(notes) == 2 and all(f"belongs to user id {owner}, not to this user ({me})" in n
+                                 for n in notes), notes
+  assert notes[1].startswith(f"the folder {store.path} belongs")
+  os.chown(store.path, os.getuid(), -1)
+  # A secret others may read proves nothing: no cache at all, JAX's programs no more than the
+  # steps (JAX's carry no check of their own), one note.
+  capsys.readouterr()
   own_secret.chmod(0o644)
-  monkeypatch.setattr(executables, "_secret", None)
-  notes.clear()
-  assert executables.store_folder(str(store.parent), notes.append) is None
-  assert len(notes) == 1 and f"chmod 600 {own_secret}" in notes[0]
+  monkeypatch.setattr(cache_folder, "_secret", None)
+  updates.clear()
+  assert cli.use_compile_cache(cache_cfg(tmp_path / "other")) is None
+  assert updates == {"jax_enable_compilation_cache": False}
+  [note] = capsys.readouterr().err.splitlines()
+  assert "no compilation cache, no step store" in note and f"chmod 600 {own_secret}" in note
+
+
+def test_a_secret_that_is_not_a_regular_file_is_one_note_never_a_wait(tmp_path, monkeypatch):
+  fifo, folder = tmp_path / "fifo", tmp_path / "folder"
+  os.mkfifo(fifo, 0o600)
+  folder.mkdir(mode=0o700)
+  for path, kind in ((fifo, "FIFO"), ("/dev/null", "character device"), (folder, "folder")):
+    monkeypatch.setenv(executables.ENV_SECRET, str(path))
+    monkeypatch.setattr(cache_folder, "_secret", None)
+    notes = []
+    asked = threading.Thread(target=executables.store_folder,
+                             args=(str(tmp_path / "cache"), notes.append), daemon=True)
+    asked.start()
+    asked.join(timeout=20)  # a FIFO without a writer would block its reader forever
+    assert not asked.is_alive(), f"a secret at {path} hangs"
+    default = cache_folder.secret_path({**os.environ, executables.ENV_SECRET: ""})
+    assert notes == [f"no step store: the step store's secret {path} is a {kind}, not a regular "
+                     f"file: set {executables.ENV_SECRET} to a file of your own (mode 600), or "
+                     f"unset it and one is made in {default}"]
+  cache_folder.forget()
+
+
+def test_entries_are_read_and_written_through_the_folder_checked_not_a_path_repointed_since(
+    tmp_path, own_secret):
+  real, theirs, link = tmp_path / "real", tmp_path / "theirs", tmp_path / "link"
+  real.mkdir(mode=0o700)
+  (theirs / executables.FOLDER).mkdir(parents=True, mode=0o700)
+  link.symlink_to(real)
+  store = executables.store_folder(str(link))  # checked, and held open
+  assert store.path == str(link / executables.FOLDER)
+  # Repointed mid-run (by anyone who could: here the user), the link leads elsewhere; the run's
+  # writes and reads stay in the folder it checked.
+  link.unlink()
+  link.symlink_to(theirs)
+  key = "f" * 64
+  planted = theirs / executables.FOLDER / f"{key}.pkl"
+  planted.write_bytes(pickle.dumps(Planted(tmp_path / "ran")))
+  compiled = executables.compile_fresh(jax.jit(lambda x: x * 2.5).lower(np.ones(3, np.float32)))
+  assert executables.save(store, key, compiled)
+  assert (real / executables.FOLDER / f"{key}.pkl").exists()
+  assert planted.read_bytes() == pickle.dumps(Planted(tmp_path / "ran"))
+  args = (jax.ShapeDtypeStruct((3,), np.float32),)
+  loaded = executables.load(store, key, args, jax.devices()[:1])
+  assert loaded is not None and not (tmp_path / "ran").exists()
+  np.testing.assert_array_equal(np.asarray(loaded(np.ones(3, np.float32))), np.full(3, 2.5))
+
+
+@pytest.fixture
+def real_cache(monkeypatch, own_secret):
+  """JAX's persistent cache as a run sets it (cli.use_compile_cache), the session's back after."""
+  from jax.experimental.compilation_cache import compilation_cache
+  names = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
+           "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_enable_xla_caches")
+  before = {n: getattr(jax.config, n) for n in names}
+  yield
+  for name, value in before.items():
+    jax.config.update(name, value)
+  compilation_cache.reset_cache()
+  jax.clear_caches()
+
+
+def test_jax_programs_are_checked_as_the_stored_steps_are(tmp_path, real_cache, capsys):
+  from jaxpar.train import metrics
+  cache = tmp_path / "cache"
+  x = jax.device_put(np.ones(5, np.float32))  # no program compiled for it
+  files = lambda: {p: p.read_bytes() for p in cache.rglob("*") if p.is_file()}
+  umask = os.umask(0o002)
+  try:
+    assert cli.use_compile_cache(cache_cfg(cache)) == str(cache)
+    step = jax.jit(lambda v: v * 2.0 + 1.0)
+    frozen = jax.jit(lambda v: v * 0.0 + 1.0)  # another step's program: lr 0, say
+    written = []
+    for f in (step, frozen):
+      before = files()
+      f(x).block_until_ready()
+      [new] = set(files()) - set(before)
+      written.append(new)
+    # Written 0600 whatever the umask, the programs stay as the next run starts.
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in written)
+    capsys.readouterr()
+    assert cli.use_compile_cache(cache_cfg(cache)) == str(cache)
+    assert all(p.exists() for p in written) and capsys.readouterr().err == ""
+    # Unchanged, a program is a hit; another program moved under its name is a miss with one
+    # note, and the step computes its own numbers.
+    jax.clear_caches()
+    with metrics.compile_watch() as hit:
+      np.testing.assert_array_equal(np.asarray(step(x)), np.full(5, 3.0))
+    assert hit["compile_cache"] == "hit"
+    written[0].write_bytes(written[1].read_bytes())
+    jax.clear_caches()
+    with metrics.compile_watch() as swapped:
+      np.testing.assert_array_equal(np.asarray(step(x)), np.full(5, 3.0))
+    assert swapped["compile_cache"] == "miss"
+  finally:
+    os.umask(umask)
+  [note] = capsys.readouterr().err.splitlines()
+  assert note.startswith(f"note: the compiled program {written[0]} (")
+  assert "labelled with another key" in note
 
 
 def test_a_store_that_cannot_be_written_says_so_once(tmp_path, monkeypatch, own_secret):
   jitted = jax.jit(lambda x: x * 2.5)
   compiled = executables.compile_fresh(jitted.lower(np.ones(3, np.float32)))
-  where = tmp_path / "store"
+  store = executables.store_folder(str(tmp_path))
+  where = pathlib.Path(store.path)
 
   class Full:  # a disk that fills as the entry is written
     def __init__(self, fd, mode):
@@ -374,9 +588,9 @@ def test_a_store_that_cannot_be_written_says_so_once(tmp_path, monkeypatch, own_
     def write(self, data):
       raise OSError(errno.ENOSPC, "No space left on device")
 
-  monkeypatch.setattr(executables.os, "fdopen", Full)
+  monkeypatch.setattr(cache_folder.os, "fdopen", Full)
   notes = []
-  assert not executables.save(str(where), "b" * 64, compiled, say=notes.append)
+  assert not executables.save(store, "b" * 64, compiled, say=notes.append)
   assert notes == [f"the step could not be kept in the step store {where} (No space left on "
                    f"device); the next run compiles it again"]
   assert list(where.iterdir()) == []  # nothing half-written
@@ -400,59 +614,62 @@ def test_a_watch_of_this_threads_compiles_ignores_a_compile_beside_it():
 
 
 def test_the_cache_and_the_step_store_keep_at_most_their_bound_least_recently_used_first(
-    tmp_path, monkeypatch):
-  from jaxpar.train import executables
-  where = tmp_path / "store"
-  where.mkdir()
+    tmp_path, monkeypatch, own_secret):
+  store = executables.store_folder(str(tmp_path / "cache"))
+  where = pathlib.Path(store.path)
   now = time.time()
+  header = len(executables.MAGIC) + 64 + 32
   for i, (key, size) in enumerate((("a", 400), ("b", 300), ("c", 200), ("d", 100))):
-    (where / f"{key}.pkl").write_bytes(b"x" * size)
-    os.utime(where / f"{key}.pkl", (now - 1000 + i, now - 1000 + i))  # a is the least recent
-  (where / ".d.left.tmp").write_bytes(b"x")  # a save killed two days ago, and one under way
-  os.utime(where / ".d.left.tmp", (now - 2 * 86400, now - 2 * 86400))
-  (where / ".c.now.tmp").write_bytes(b"x")
-  assert executables.prune(str(where), 500) == ["a", "b"]  # 1000 -> 300: the oldest go first
-  assert sorted(p.name for p in where.iterdir()) == [".c.now.tmp", "c.pkl", "d.pkl"]
-  os.utime(where / "d.pkl", (now - 5000, now - 5000))  # d least recently used, but kept
-  assert executables.prune(str(where), 50, keep="d") == ["c"]
-  assert executables.prune(str(where), 50, keep="d") == []  # d alone is over the bound: stays
-  assert sorted(p.name for p in where.iterdir()) == [".c.now.tmp", "d.pkl"]
+    store.write(f"{key * 64}.pkl", cache_folder.seal(executables.MAGIC, key * 64,
+                                                      b"x" * (size - header)))
+    os.utime(where / f"{key * 64}.pkl", (now - 1000 + i, now - 1000 + i))  # a: least recent
+  (where / f".{'d' * 64}.pkl.left.tmp").write_bytes(b"x")  # a save killed two days ago
+  os.utime(where / f".{'d' * 64}.pkl.left.tmp", (now - 2 * 86400, now - 2 * 86400))
+  (where / f".{'c' * 64}.pkl.now.tmp").write_bytes(b"x")  # and one under way
+  prune = lambda bound, keep=None: [k[0] for k in store.prune(
+      bound, executables.MAGIC, executables.SUFFIX, keep=keep and keep * 64)]
+  assert prune(500) == ["a", "b"]  # 1000 -> 300: the oldest go first
+  names = lambda: sorted(p.name[:3] for p in where.iterdir())
+  assert names() == [".cc", "ccc", "ddd"]
+  os.utime(where / f"{'d' * 64}.pkl", (now - 5000, now - 5000))  # d least recently used, but kept
+  assert prune(50, keep="d") == ["c"]
+  assert prune(50, keep="d") == []  # d alone is over the bound: stays
+  assert names() == [".cc", "ddd"]
   # Two processes pruning at once: an entry the other took first counts as gone, so no more go.
   for key in ("e", "f", "g"):
-    (where / f"{key}.pkl").write_bytes(b"x" * 100)
-  real_remove = os.remove
-  def raced(path):
-    real_remove(path)
-    if path.endswith("e.pkl"):
+    store.write(f"{key * 64}.pkl", cache_folder.seal(executables.MAGIC, key * 64,
+                                                      b"x" * (100 - header)))
+  real_unlink = os.unlink
+  def raced(path, *, dir_fd=None):
+    real_unlink(path, dir_fd=dir_fd)
+    if path.startswith("e"):
       raise FileNotFoundError(path)
-  monkeypatch.setattr(os, "remove", raced)
-  assert executables.prune(str(where), 250) == ["d"]  # then e went (the other's): enough
-  monkeypatch.setattr(os, "remove", real_remove)
-  assert sorted(p.name for p in where.iterdir()) == [".c.now.tmp", "f.pkl", "g.pkl"]
+  monkeypatch.setattr(os, "unlink", raced)
+  assert prune(250) == ["d"]  # then e went (the other's): enough
+  monkeypatch.setattr(os, "unlink", real_unlink)
+  assert names() == [".cc", "fff", "ggg"]
 
   # JAX's programs: train.compile_cache_max_gb (10 GiB by default) bounds them too, kept as a run
-  # starts, unless 0 or the environment (JAX's own eviction) says otherwise.
+  # starts (JAX's own eviction is never turned on: jaxpar keeps them), unless 0.
   cfg = config.load(None, [])
   assert cfg.train.compile_cache_max_gb == 10.0
-  assert cli.cache_max_bytes(cfg, {}) == 10 * 2**30
-  assert cli.cache_max_bytes(config.load(None, ["train.compile_cache_max_gb=0.5"]), {}) == 2**29
-  assert cli.cache_max_bytes(config.load(None, ["train.compile_cache_max_gb=0"]), {}) == 0
-  assert cli.cache_max_bytes(cfg, {"JAX_COMPILATION_CACHE_MAX_SIZE": "99"}) == 0
+  assert cli.cache_max_bytes(cfg) == 10 * 2**30
+  assert cli.cache_max_bytes(config.load(None, ["train.compile_cache_max_gb=0.5"])) == 2**29
+  assert cli.cache_max_bytes(config.load(None, ["train.compile_cache_max_gb=0"])) == 0
   with pytest.raises(config.ConfigError, match="must not be negative"):
     config.load(None, ["train.compile_cache_max_gb=-1"])
   cache = tmp_path / "cache"
-  (cache / "jaxpar-steps").mkdir(parents=True)
-  cache.chmod(0o700)
+  programs = cache_folder.SealedPrograms(cache_folder.open_folder(str(cache),
+                                                                  cache_folder.JAX_FOLDER))
   for i, key in enumerate(("jit_old", "jit_new")):
-    (cache / f"{key}-cache").write_bytes(b"x" * 600)
-    (cache / f"{key}-atime").write_bytes(b"t" * 8)  # JAX's eviction's file, where it was on
-    os.utime(cache / f"{key}-cache", (now - 100 + i, now - 100 + i))
+    programs.put(key, b"x" * 600)
+    path = cache / cache_folder.JAX_FOLDER / (programs.name(key) + cache_folder.PROGRAM_SUFFIX)
+    os.utime(path, (now - 100 + i, now - 100 + i))
   updates = {}
-  monkeypatch.delenv("JAX_COMPILATION_CACHE_MAX_SIZE", raising=False)
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_MAX_SIZE", "99")
   monkeypatch.setattr(jax.config, "update", lambda name, value: updates.__setitem__(name, value))
   cli.use_compile_cache(config.load(None, [f"train.compile_cache={cache}",
                                            "train.compile_cache_max_gb=1e-6"]))  # 1073 bytes
   assert updates["jax_compilation_cache_dir"] == str(cache)
   assert "jax_compilation_cache_max_size" not in updates  # JAX's eviction stays off
-  assert sorted(p.name for p in cache.iterdir()) == ["jaxpar-steps", "jit_new-atime",
-                                                      "jit_new-cache"]
+  assert programs.get("jit_old") is None and programs.get("jit_new") == b"x" * 600

@@ -167,10 +167,11 @@ def use_compile_cache(cfg: jconfig.Config) -> str | None:
   the devices' topology. A cache written by another version or for another topology is never
   read, only missed; so nothing needs clearing when either changes.
 
-  The folder is made 0700. One that is not this user's, or that others may write
-  (executables.untrusted), is not used at all, with one note: JAX's programs there are run as
-  they are found, as jaxpar's stored steps are; the run goes on without a cache. In a trusted
-  folder, a file that is another user's or that others may write is removed (one note).
+  The folder is the user's; jaxpar writes only into its own subfolders there, `jax` (JAX's
+  programs, each sealed as the stored steps are: cache_folder.SealedPrograms) and `jaxpar-steps`
+  (the step store), and removes nothing else (cache_folder.py). A path another user could change,
+  a subfolder that is not this user's alone, or no usable secret turns both off, with one note;
+  the run goes on and compiles.
   """
   path = compile_cache_dir(cfg)
   # Imported here: launch_local.py imports this module and must not wait for JAX to load.
@@ -182,24 +183,38 @@ def use_compile_cache(cfg: jconfig.Config) -> str | None:
   if path is None:
     jax.config.update("jax_enable_compilation_cache", False)
     return None
-  from jaxpar.train import executables  # lazy: importing it loads JAX (see above)
+  from jaxpar.train import cache_folder  # lazy: importing it loads JAX (see above)
+  off = "no compilation cache, no step store"
+  bad = cache_folder.unsafe_path(path)  # before anything is made there
+  if bad:
+    cache_folder.note(cache_folder.refusal(*bad, off))
+    jax.config.update("jax_enable_compilation_cache", False)
+    return None
   try:
-    executables.make_private(path)  # 0700: the programs in it are run as they are found
+    cache_folder.make_folder(path)
   except OSError as e:
     raise ConfigError(f"train.compile_cache={path} cannot be made ({e.strerror}); name a "
                       f"writable folder or 'off'") from None
-  why = executables.untrusted(path)
-  if why:  # JAX's programs are executables as the stored steps are: neither is used
-    executables.note(executables.refusal(path, why, "no compilation cache, no step store"))
+  programs = cache_folder.open_folder(path, cache_folder.JAX_FOLDER, cache_folder.note, off)
+  try:
+    if programs is not None:
+      cache_folder.secret()  # every program read is checked against it: none, no cache
+  except (OSError, ValueError) as e:
+    cache_folder.note(f"{off}: {e}")
+    programs = None
+  if programs is not None and not cache_folder.install(path,
+                                                       cache_folder.SealedPrograms(programs)):
+    cache_folder.note(f"{off}: this JAX builds its file cache otherwise than jaxpar knows "
+                      f"(jax._src.compilation_cache.get_file_cache), so JAX's programs could "
+                      f"not be checked")
+    programs = None
+  if programs is None:
     jax.config.update("jax_enable_compilation_cache", False)
     return None
-  foreign = executables.remove_foreign(path)
-  if foreign:
-    executables.note(f"removed {len(foreign)} file(s) of the compilation cache {path} that were "
-                     f"not this user's or that others could write (e.g. {foreign[0]}): JAX would "
-                     f"have run them as they were")
   jax.config.update("jax_enable_compilation_cache", True)
   jax.config.update("jax_compilation_cache_dir", path)
+  # XLA's own caches beside JAX's (the GPU autotuning results) would be files read unchecked
+  jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
   # JAX keeps only programs that took at least 1 s to compile; the init and the small helper
   # programs of a run take less each but add up on a restart, so every one is kept unless the
   # environment says otherwise.
@@ -207,22 +222,14 @@ def use_compile_cache(cfg: jconfig.Config) -> str | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   bound = cache_max_bytes(cfg)
   if bound > 0:
-    executables.prune(path, bound, suffix="-cache", beside=("-atime",))
+    programs.prune(bound, cache_folder.PROGRAM_MAGIC, cache_folder.PROGRAM_SUFFIX)
   return path
 
 
-def cache_max_bytes(cfg: jconfig.Config, environ=None) -> int:
+def cache_max_bytes(cfg: jconfig.Config) -> int:
   """The bound train.compile_cache_max_gb puts on JAX's programs in the cache folder, in bytes,
-  which `use_compile_cache` keeps as each run starts; 0 for none: the key is 0, or
-  $JAX_COMPILATION_CACHE_MAX_SIZE is set (JAX's own LRU eviction then bounds the folder).
-
-  JAX's eviction is not turned on here: it needs an access-time file beside every program and
-  fails every write (nothing more is cached) once a program without one is in the folder, as
-  every program written without eviction is (by an earlier jaxpar, or plain JAX).
-  """
-  environ = os.environ if environ is None else environ
-  if "JAX_COMPILATION_CACHE_MAX_SIZE" in environ:
-    return 0
+  which `use_compile_cache` keeps as each run starts; 0 for none. JAX's own eviction
+  (JAX_COMPILATION_CACHE_MAX_SIZE) is not used: jaxpar keeps JAX's programs itself."""
   return jconfig.compile_cache_max_bytes(cfg)
 
 

@@ -160,7 +160,8 @@ def main(argv=None) -> int:
     shape = mesh.parse(args.mesh)
     n = math.prod(shape)
     mesh.check(shape, cfg, n)  # the degrees against the model, before JAX starts
-    if mesh.ensure_cpu_devices(n):
+    # as train.py does (cli.setup): one device needs no flag, and XLA_FLAGS enter JAX's cache key
+    if n > 1 and mesh.ensure_cpu_devices(n):
       print(f"plan: simulating {n} CPU devices (--xla_force_host_platform_device_count={n})",
             file=sys.stderr)
     from jaxpar.planning import plan  # imports JAX: after the simulated device count is set

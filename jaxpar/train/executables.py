@@ -12,7 +12,8 @@ a jaxpar run is fixed before it is traced by what `fingerprint` hashes:
   distribution; the backend's platform and its version; the host's CPU (model and instruction
   set flags: XLA:CPU compiles for the host it runs on); every JAX option's value but those of
   the cache and of logging; and the environment's XLA, JAX, TPU and LIBTPU variables but the
-  cache's.
+  cache's (and but XLA's simulated CPU device count, which plan.py and train.py may set
+  differently for one mesh: the devices the step runs on are keyed themselves).
 
 The serialized executable is kept under that key in <train.compile_cache>/jaxpar-steps/, and a
 run with the same key loads it instead of tracing. A run that differs in any of these misses and
@@ -25,29 +26,25 @@ jaxpar's files run as they are on disk, by `jaxpar-train` and `jaxpar-plan`, or 
 loop.run that asks for it.
 
 A stored step is machine code this process runs, and unpickling its entry runs code too, so the
-store is a trust boundary. Its folder (and the cache's, `untrusted`) is made 0700 and used only
-while it is this user's and no one else can write it. Each entry opens with a fixed header
-outside the pickle: the format, the key, and an HMAC-SHA256 over both and the payload under a
-per-user secret (`secret`, a 0600 file). An entry whose header, key or MAC does not match
-(another user's, relabelled, damaged, cut short, of another format) is a miss with a note,
-checked before a byte of it is unpickled or deserialized. A folder shared by several hosts is
-trusted exactly among those that hold the same secret file.
+store is a trust boundary (cache_folder.py: what the folder is trusted for). Its folder is made
+0700, held open and used only while it is this user's and no one else can write it. Each entry
+opens with a fixed header outside the pickle: the format, the key, and an HMAC-SHA256 over both
+and the payload under a per-user secret (cache_folder.secret, a 0600 file). An entry whose
+header, key or MAC does not match (another user's, relabelled, damaged, cut short, of another
+format) is a miss with a note, checked before a byte of it is unpickled or deserialized. A
+folder shared by several hosts is trusted exactly among those that hold the same secret file.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import hmac
 import importlib.metadata
 import json
 import os
 import pickle
 import platform
-import secrets
-import stat
+import re
 import sys
-import tempfile
-import time
 from typing import Any, Callable
 
 import jax
@@ -56,12 +53,12 @@ from jax.experimental.compilation_cache import compilation_cache
 
 import jaxpar
 from jaxpar import config as jconfig
+from jaxpar.train import cache_folder
+from jaxpar.train.cache_folder import ENV_SECRET, note  # noqa: F401 (ENV_SECRET: the store's)
 
 FOLDER = "jaxpar-steps"  # inside the compilation cache's folder
-ENV_SECRET = "JAXPAR_STEP_SECRET"  # the secret's file, instead of the user's config folder's
 MAGIC = b"jaxpar step 2\n"  # an entry's first bytes; then the key (64 hex digits), the MAC
-_MAC_BYTES = 32
-_HEADER = len(MAGIC) + 64 + _MAC_BYTES
+SUFFIX = ".pkl"
 # Config keys that do not enter the traced step, left out of the key so that changing one still
 # loads the stored step. Each is read only outside the step:
 EXCLUDED = (
@@ -98,65 +95,14 @@ _CPU_FIELDS = ("vendor_id", "cpu family", "model", "model name", "flags",  # x86
                "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "Features")  # Arm
 _DISTRIBUTIONS = ("flax", "optax", "numpy", "ml_dtypes", "ml-dtypes")
 _ENV_PREFIXES = ("XLA_", "JAX_", "TPU_", "LIBTPU")
-_STALE_TMP_S = 86400.0  # a save takes seconds: a file written aside a day ago was left
+# XLA's simulated CPU device count: plan.py and train.py may set it differently for one mesh
+# (the devices the step runs on are keyed themselves)
+_DEVICE_COUNT_FLAG = re.compile(r"\s*--xla_force_host_platform_device_count=\S*")
 _source: str | None = None
 _cpu: list[str] | None = None
-_secret: bytes | None = None
 
 
-def note(text: str) -> None:
-  """Says why the cache or the store is not used for something; the run goes on without it."""
-  print(f"note: {text}", file=sys.stderr, flush=True)
-
-
-def untrusted(path: str) -> str | None:
-  """Why the folder `path` must not be read from or written to, or None: it is not this user's,
-  or others (group or anyone) may write it, and so may plant a program there that this process
-  would load and run."""
-  st = os.stat(path)
-  if not stat.S_ISDIR(st.st_mode):
-    return "is not a folder"
-  uid = os.getuid() if hasattr(os, "getuid") else st.st_uid
-  if st.st_uid != uid:
-    return f"belongs to user id {st.st_uid}, not to this user ({uid})"
-  if st.st_mode & 0o022:
-    who = " and ".join(w for w, bit in (("its group", 0o020), ("others", 0o002))
-                       if st.st_mode & bit)
-    return f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):o})"
-  return None
-
-
-def remove_foreign(path: str) -> list[str]:
-  """Removes the files directly in the folder `path` that are not this user's or that others
-  may write (left from a time the folder was shared, or written under a loose umask): JAX runs
-  its programs as it finds them, with no check of its own. Returns their names."""
-  uid, gone = os.getuid() if hasattr(os, "getuid") else None, []
-  for entry in os.scandir(path):
-    try:
-      st = entry.stat(follow_symlinks=False)
-      if not stat.S_ISDIR(st.st_mode) and (st.st_mode & 0o022 or uid not in (None, st.st_uid)):
-        os.remove(entry.path)
-        gone.append(entry.name)
-    except OSError:
-      continue
-  return gone
-
-
-def refusal(path: str, why: str, unused: str = "no step store") -> str:
-  """The note for a folder `untrusted` refuses."""
-  return (f"the folder {path} {why}, so another user could plant programs there that this run "
-          f"would execute: it is not used ({unused}). Make it yours and run `chmod go-w {path}`, "
-          f"or set train.compile_cache to another folder")
-
-
-def make_private(path: str) -> None:
-  """Makes the folder `path` (and its parents) if missing, the folder itself mode 0700."""
-  if not os.path.isdir(path):
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    os.chmod(path, 0o700)  # whatever the umask
-
-
-def folder(say: Callable[[str], None] = note) -> str | None:
+def folder(say: Callable[[str], None] = note) -> cache_folder.Folder | None:
   """The store's folder inside JAX's compilation cache (cli.use_compile_cache), or None when the
   cache is off (`store_folder` says when else)."""
   if not jax.config.jax_enable_compilation_cache or not jax.config.jax_compilation_cache_dir:
@@ -164,70 +110,19 @@ def folder(say: Callable[[str], None] = note) -> str | None:
   return store_folder(jax.config.jax_compilation_cache_dir, say)
 
 
-def store_folder(cache: str, say: Callable[[str], None] = note) -> str | None:
-  """The store's folder inside the cache folder `cache`, made 0700 if missing; None (with one
-  note) when it cannot be made, is not trusted (`untrusted`) or the secret cannot be had
-  (`secret`)."""
-  where = os.path.join(cache, FOLDER)
-  try:
-    make_private(where)
-    why = untrusted(where)
-  except OSError as e:
-    say(f"no step store: {where} cannot be made ({e.strerror})")
-    return None
-  if why:
-    say(refusal(where, why))
+def store_folder(cache: str, say: Callable[[str], None] = note) -> cache_folder.Folder | None:
+  """The store's folder inside the cache folder `cache`, made 0700 if missing and held open;
+  None (with one note) when it cannot be made, is not trusted (cache_folder.open_folder) or the
+  secret cannot be had (cache_folder.secret)."""
+  where = cache_folder.open_folder(cache, FOLDER, say)
+  if where is None:
     return None
   try:
-    secret()
+    cache_folder.secret()
   except (OSError, ValueError) as e:
     say(f"no step store: {e}")
     return None
   return where
-
-
-def secret_path(environ=None) -> str:
-  """$JAXPAR_STEP_SECRET, else $XDG_CONFIG_HOME/jaxpar/step-secret (~/.config/jaxpar/...)."""
-  environ = os.environ if environ is None else environ
-  if environ.get(ENV_SECRET):
-    return os.path.abspath(os.path.expanduser(environ[ENV_SECRET]))
-  base = environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-  return os.path.join(base, "jaxpar", "step-secret")
-
-
-def secret() -> bytes:
-  """This user's key for the stores' MACs (`secret_path`): made once (32 random bytes, mode 0600,
-  in a 0700 folder), then read. Raises ValueError with a sentence where the file is not this
-  user's, others may read or write it, or it is too short: a key others know proves nothing."""
-  global _secret
-  if _secret is not None:
-    return _secret
-  path = secret_path()
-  if not os.path.exists(path):
-    make_private(os.path.dirname(path))
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".step-secret.")  # 0600
-    try:
-      with os.fdopen(fd, "wb") as f:
-        f.write(secrets.token_bytes(32))
-      try:
-        os.link(tmp, path)  # whole or absent; a process making it at the same time wins alike
-      except FileExistsError:
-        pass
-    finally:
-      os.remove(tmp)
-  with open(path, "rb") as f:
-    st = os.fstat(f.fileno())
-    uid = os.getuid() if hasattr(os, "getuid") else st.st_uid
-    if st.st_uid != uid or st.st_mode & 0o077:
-      raise ValueError(f"the step store's secret {path} must be this user's alone "
-                       f"(`chmod 600 {path}`; it is mode {stat.S_IMODE(st.st_mode):o}, user id "
-                       f"{st.st_uid})")
-    key = f.read()
-  if len(key) < 16:
-    raise ValueError(f"the step store's secret {path} holds {len(key)} bytes; it needs at least "
-                     f"16 (remove it, and one is made)")
-  _secret = key
-  return key
 
 
 def _source_digest() -> str:
@@ -306,67 +201,54 @@ def fingerprint(trainer, batch_abstract: Any, batch_sharding: Any) -> str:
       "cpu": _host_cpu(),
       "options": {k: repr(v) for k, v in sorted(jax.config.values.items())
                   if not k.startswith(_QUIET_OPTIONS)},
-      "env": {k: v for k, v in sorted(os.environ.items())
-              if k.startswith(_ENV_PREFIXES) and not k.startswith(_QUIET_ENV)},
+      "env": _env(),
   }
   return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def _path(where: str, key: str) -> str:
-  return os.path.join(where, f"{key}.pkl")
+def _env() -> dict[str, str]:
+  """The environment's variables that may change the compiled program (see the module's doc)."""
+  env = {k: v for k, v in sorted(os.environ.items())
+         if k.startswith(_ENV_PREFIXES) and not k.startswith(_QUIET_ENV)}
+  if "XLA_FLAGS" in env:
+    env["XLA_FLAGS"] = _DEVICE_COUNT_FLAG.sub("", env["XLA_FLAGS"]).strip()
+    if not env["XLA_FLAGS"]:
+      del env["XLA_FLAGS"]
+  return env
 
 
-def _mac(key: str, payload: bytes) -> bytes:
-  return hmac.new(secret(), MAGIC + key.encode() + payload, hashlib.sha256).digest()
-
-
-def _checked(blob: bytes, key: str) -> str | None:
-  """Why the entry `blob` is not what this user's jaxpar stored under `key`, or None."""
-  if len(blob) < _HEADER or not blob.startswith(MAGIC):
-    return "it is not an entry of this jaxpar (another format, or cut short)"
-  at = len(MAGIC)
-  if blob[at:at + 64] != key.encode():
-    return "it is labelled with another key"
-  mac = blob[at + 64:_HEADER]
-  if not hmac.compare_digest(mac, _mac(key, blob[_HEADER:])):
-    return ("its MAC does not match (damaged, cut short, or written without this user's secret "
-            f"{secret_path()})")
-  return None
-
-
-def stored(where: str, key: str) -> bool:
+def stored(where: cache_folder.Folder, key: str) -> bool:
   """Whether an entry is kept under `key` (`load` says whether it loads)."""
-  return os.path.isfile(_path(where, key))
+  return where.exists(key + SUFFIX)
 
 
-def load(where: str, key: str, args_abstract: Any, devices: list,
+def load(where: cache_folder.Folder, key: str, args_abstract: Any, devices: list,
          say: Callable[[str], None] = note) -> jax.stages.Compiled | None:
   """The step stored under `key`, loaded onto `devices` (its mesh's, in the mesh's order), or
-  None: none is stored, or what is there fails its check (`_checked`, one note), cannot be
-  loaded or takes other arguments than `args_abstract` (a miss either way; a new entry replaces
-  it). Nothing of an entry is unpickled before its MAC is checked."""
-  path = _path(where, key)
+  None: none is stored, or what is there fails its check (cache_folder.unseal, one note), cannot
+  be loaded or takes other arguments than `args_abstract` (a miss either way; a new entry
+  replaces it). Nothing of an entry is unpickled before its MAC is checked."""
+  path = os.path.join(where.path, key + SUFFIX)
   try:
-    why = untrusted(where)
+    why = where.why_not()
     if why:
-      say(refusal(where, why))
+      say(cache_folder.refusal(where.path, why))
       return None
-    with open(path, "rb") as f:
-      blob = f.read()
-  except FileNotFoundError:
-    return None
+    blob = where.read(key + SUFFIX)
   except OSError as e:
     say(f"the stored step {path} cannot be read ({e.strerror}); the step is compiled")
     return None
+  if blob is None:
+    return None
   try:
-    why = _checked(blob, key)
+    payload, why = cache_folder.unseal(MAGIC, key, blob)
   except (OSError, ValueError) as e:  # no secret: nothing is trusted
-    why = str(e)
+    payload, why = None, str(e)
   if why:
     say(f"the stored step {path} is not loaded: {why}; the step is compiled and stored anew")
     return None
   try:
-    entry = pickle.loads(blob[_HEADER:])
+    entry = pickle.loads(payload)
   except Exception:  # noqa: BLE001 (this user's, but from another version: a miss)
     return None
   if not isinstance(entry, dict):
@@ -382,10 +264,7 @@ def load(where: str, key: str, args_abstract: Any, devices: list,
   shapes = lambda tree: [(tuple(a.shape), a.dtype) for a in jax.tree_util.tree_leaves(tree)]
   if shapes(compiled.args_info) != shapes(args_abstract):
     return None
-  try:
-    os.utime(path)  # used now: the last entry a bounded store gives up
-  except OSError:
-    pass  # a read-only store still loads
+  where.touch(key + SUFFIX)  # used now: the last entry a bounded store gives up
   return compiled
 
 
@@ -405,12 +284,12 @@ def compile_fresh(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
     compilation_cache.reset_cache()  # the next compile looks again, and uses it as before
 
 
-def save(where: str, key: str, compiled: jax.stages.Compiled, max_bytes: int = 0,
-         say: Callable[[str], None] = note) -> bool:
+def save(where: cache_folder.Folder, key: str, compiled: jax.stages.Compiled,
+         max_bytes: int = 0, say: Callable[[str], None] = note) -> bool:
   """Keeps `compiled` under `key`, behind its header and MAC; False (one note, and nothing
   written) where it cannot be serialized or the folder cannot be written (a full disk). The file
   appears whole or not at all (written aside, renamed), mode 0600. With `max_bytes` > 0 the least
-  recently used other entries then go until the store fits (`prune`).
+  recently used other entries then go until the store fits (Folder.prune).
 
   `compiled` must come from XLA's compiler in this process (`compile_fresh`), not from JAX's
   persistent cache: on XLA:CPU (JAX 0.10.2) an executable loaded from that cache serializes
@@ -425,68 +304,16 @@ def save(where: str, key: str, compiled: jax.stages.Compiled, max_bytes: int = 0
     say(f"the step cannot be kept in the step store ({type(e).__name__}: {e}); the next run "
         f"compiles it again")
     return False
-  tmp = None
   try:
-    make_private(where)
-    why = untrusted(where)
+    why = where.why_not()
     if why:
-      say(refusal(where, why))
+      say(cache_folder.refusal(where.path, why))
       return False
-    header = MAGIC + key.encode() + _mac(key, blob)
-    fd, tmp = tempfile.mkstemp(dir=where, prefix=f".{key}.", suffix=".tmp")  # mode 0600
-    with os.fdopen(fd, "wb") as f:
-      f.write(header)
-      f.write(blob)
-    os.replace(tmp, _path(where, key))
+    where.write(key + SUFFIX, cache_folder.seal(MAGIC, key, blob))
   except (OSError, ValueError) as e:
-    if tmp is not None and os.path.exists(tmp):
-      os.remove(tmp)
-    say(f"the step could not be kept in the step store {where} "
+    say(f"the step could not be kept in the step store {where.path} "
         f"({getattr(e, 'strerror', None) or e}); the next run compiles it again")
     return False
   if max_bytes > 0:
-    prune(where, max_bytes, keep=key)
+    where.prune(max_bytes, MAGIC, SUFFIX, keep=key, say=say)
   return True
-
-
-def prune(where: str, max_bytes: int, keep: str | None = None, suffix: str = ".pkl",
-          beside: tuple[str, ...] = ()) -> list[str]:
-  """Removes the least recently used entries of the folder `where` (files named <key><suffix>;
-  used last at the later of their modification and access times) until those left take at most
-  `max_bytes`; the entry `keep` stays even if it alone is larger. Files <key><b> for each b in
-  `beside` go with their entry. Returns the keys removed. An entry another process removes
-  first, or one that cannot be removed, is passed by. A save's file written aside (.*.tmp) and
-  left by a process killed before its rename goes after a day.
-  """
-  entries, now = [], time.time()
-  for name in os.listdir(where):
-    path = os.path.join(where, name)
-    try:
-      st = os.stat(path)
-      if name.startswith(".") and name.endswith(".tmp") and now - st.st_mtime > _STALE_TMP_S:
-        os.remove(path)
-    except OSError:
-      continue
-    if name.endswith(suffix) and not name.startswith(".") and stat.S_ISREG(st.st_mode):
-      entries.append((max(st.st_mtime, st.st_atime), name[:-len(suffix)], st.st_size))
-  total, removed = sum(size for _, _, size in entries), []
-  for _, key, size in sorted(entries):
-    if total <= max_bytes:
-      break
-    if key == keep:
-      continue
-    try:
-      os.remove(os.path.join(where, key + suffix))
-    except FileNotFoundError:  # another process pruning beside this one took it: gone all the same
-      total -= size
-      continue
-    except OSError:
-      continue
-    for b in beside:
-      try:
-        os.remove(os.path.join(where, key + b))
-      except OSError:
-        pass
-    total -= size
-    removed.append(key)
-  return removed
