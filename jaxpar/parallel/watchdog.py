@@ -10,6 +10,8 @@ import sys
 import threading
 import time
 
+from jaxpar.config import ConfigError
+
 EXIT_FAILED = 1  # the processes could not be joined, or lost one another
 # JAX's coordination service (jax.distributed.initialize's heartbeat_timeout_seconds, JAX's own
 # default 100 s) declares a process dead once its last heartbeat is this old and aborts the others
@@ -110,7 +112,6 @@ def peer_timeout(tc, jax_heartbeat_s: float | None = None) -> float:
 def check_peer_timeout(tc, jax_heartbeat_s: float) -> None:
   """ConfigError unless train.peer_timeout names a stopped process before JAX's coordination
   service can abort the others for it (from half of its heartbeat timeout on)."""
-  from jaxpar.config import ConfigError
   most = PEER_SHARE_MAX * jax_heartbeat_s
   if tc.peer_timeout > most:
     raise ConfigError(
