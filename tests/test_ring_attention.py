@@ -12,7 +12,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.analysis import hlo
-from jaxpar.models import blockwise, ring
+from jaxpar.models import blockwise, gpt, ring
 
 B, T, H, G, K = 2, 64, 4, 2, 16  # grouped-query attention: 2 query heads per kv head
 
@@ -95,3 +95,54 @@ def test_chunks_longer_than_a_block_fold_a_block_at_a_time(C, block, gather, mon
   monkeypatch.setattr(blockwise, "BLOCK", block)
   assert ring._block_size(T // (2 * C)) == block < T // (2 * C)
   test_outputs_and_gradients_equal_one_devices_attention(C, gather)
+
+
+def segment_ids():
+  """(B, T) packed documents' ids: row 0 three documents, row 1 three and padding (0)."""
+  seg = np.zeros((B, T), np.int32)
+  for r, lengths in enumerate([[20, 30, 14], [5, 40, 10]]):
+    at = 0
+    for d, n in enumerate(lengths, start=1):
+      seg[r, at:at + n] = d
+      at += n
+  return seg
+
+
+@pytest.mark.parametrize("C,block,gather", [(2, 128, False), (4, 4, False), (4, 4, True)])
+def test_packed_documents_attend_within_themselves_around_the_ring(C, block, gather, monkeypatch):
+  """With segment ids (the ring's order, travelling with their keys) the ring gives one device's
+  blockwise attention with the same ids, which gives the matmul form's (B, T, T) mask, outputs
+  and gradients (1e-5); chunks folded a block at a time too. Changing one document's q, k and v
+  leaves every other token's output bitwise the same."""
+  monkeypatch.setattr(blockwise, "BLOCK", block)
+  q, k, v, w = inputs()
+  seg = segment_ids()
+  order, back = ring.balanced(T, C), np.argsort(ring.balanced(T, C))
+  mesh = jax.make_mesh((C,), ("context",), axis_types=(AxisType.Auto,), devices=jax.devices()[:C])
+  spec = P(None, "context")
+  attend = jax.shard_map(lambda q, k, v, s: ring.ring_attention(q, k, v, "context", gather, s),
+                         mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)
+
+  def ring_loss(q, k, v):
+    out = attend(q[:, order], k[:, order], v[:, order], seg[:, order])[:, back]
+    return (out * w).sum(), out
+
+  def reference(form):
+    def loss(q, k, v):
+      out = form(q, k, v)
+      return (out * w).sum(), out
+    return loss
+  grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
+  (_, got), got_grads = grad(ring_loss)(q, k, v)
+  for form in (lambda q, k, v: blockwise.attention(q, k, v, segments=seg),
+               lambda q, k, v: gpt._attention_matmuls(q, k, v, seg)):
+    (_, want), want_grads = grad(reference(form))(q, k, v)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for name, a, b in zip("qkv", got_grads, want_grads):
+      err = float(jnp.abs(a - b).max() / jnp.abs(b).max())
+      assert err <= 1e-5, f"d{name}: {err:.2e}"
+  doc = (np.arange(B)[:, None] == 1) & (seg == 2)  # row 1's second document, 40 tokens
+  moved = [np.where(doc[..., None, None], x + 1.0, x) for x in (q, k, v)]
+  (_, after), _ = grad(ring_loss)(*moved)
+  assert np.abs(np.asarray(after)[doc] - np.asarray(got)[doc]).max() > 1e-3
+  np.testing.assert_array_equal(np.asarray(after)[~doc], np.asarray(got)[~doc])

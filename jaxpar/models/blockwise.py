@@ -18,14 +18,17 @@ a mesh axis and folds each into the query block it holds:
   output sum_j exp(s_j - m) v_j; m (B, G, R, bq) the row max of the scores folded so far (-inf
   before any); l (B, G, R, bq) the row sum of exp(s_j - m). k and v only lend their type: under
   shard_map the state varies over every manual axis its inputs vary over, as a loop carry must.
-- `fold(state, q, k, v, q_start, k_start, scale)` -> State with one kv block folded in; the
-  scores are scale * q k^T (scale 1/sqrt(K)). Blocks may be folded in any order (the same sums,
+- `fold(state, q, k, v, q_start, k_start, scale, q_seg=None, k_seg=None)` -> State with one kv
+  block folded in; the scores are scale * q k^T (scale 1/sqrt(K)). With the queries' and keys'
+  segment ids q_seg (B, bq), k_seg (B, bk) (packed documents, models/segments.py) a query also
+  sees only the keys of its own segment: the mask is made per block pair, never (T, T). Blocks may be folded in any order (the same sums,
   different rounding); a pair for which `visible(q_start, bq, k_start)` is false changes nothing
   and may be skipped (in a ring, under lax.cond).
 - `finish(state)` -> (out (B, G, R, bq, K) float32, lse (B, G, R, bq)): out = acc / l and
   lse = m + log l, the row's logsumexp (+inf for a row that saw no key, so the backward's
   exp(s - lse) is 0 there and its out is 0).
-- `fold_grad(q, k, v, do, lse, delta, q_start, k_start, scale)` -> (dq, dk, dv), float32, one
+- `fold_grad(q, k, v, do, lse, delta, q_start, k_start, scale, q_seg=None, k_seg=None)` ->
+  (dq, dk, dv), float32, one
   pair's share of the gradients, with do the cotangent of out (B, G, R, bq, K), lse from
   `finish` and delta = sum(do * out, -1) (B, G, R, bq). The whole dq of a query block is the sum
   of its pairs' dq over the kv blocks; dk and dv of a kv block the sums over the query blocks
@@ -94,8 +97,9 @@ def init_state(q: jax.Array, *like: jax.Array) -> State:
   return State(_zeros(q.shape, q, *like), zeros - jnp.inf, zeros)
 
 
-def _scores(q, k, q_start, k_start, scale):
-  """Scaled scores (B, G, R, bq, bk) float32 and the causal mask (bq, bk) of one block pair."""
+def _scores(q, k, q_start, k_start, scale, q_seg=None, k_seg=None):
+  """Scaled scores (B, G, R, bq, bk) float32 and the mask of one block pair: causal (bq, bk), and
+  with segment ids q_seg (B, bq), k_seg (B, bk) within a segment too (B, 1, 1, bq, bk)."""
   B, G, R, bq, K = q.shape
   bk = k.shape[2]
   s = jnp.matmul(q.reshape(B, G, R * bq, K), jnp.swapaxes(k, 2, 3),
@@ -103,7 +107,10 @@ def _scores(q, k, q_start, k_start, scale):
   s = s.reshape(B, G, R, bq, bk) * scale
   q_pos = q_start + lax.iota(jnp.int32, bq)
   k_pos = k_start + lax.iota(jnp.int32, bk)
-  return s, q_pos[:, None] >= k_pos[None, :]
+  mask = q_pos[:, None] >= k_pos[None, :]
+  if q_seg is not None:
+    mask = mask & (q_seg[:, :, None] == k_seg[:, None, :])[:, None, None]
+  return s, mask
 
 
 def _pv(p, v):
@@ -113,10 +120,10 @@ def _pv(p, v):
   return o.reshape(B, G, R, bq, v.shape[-1])
 
 
-def fold(state: State, q, k, v, q_start, k_start, scale: float) -> State:
+def fold(state: State, q, k, v, q_start, k_start, scale: float, q_seg=None, k_seg=None) -> State:
   """`state` with the key/value block k, v (B, G, bk, K) from k_start folded in; q (B, G, R, bq, K)
-  from q_start."""
-  s, mask = _scores(q, k, q_start, k_start, scale)
+  from q_start; q_seg (B, bq), k_seg (B, bk): their segment ids (None: one sequence)."""
+  s, mask = _scores(q, k, q_start, k_start, scale, q_seg, k_seg)
   s = jnp.where(mask, s, -jnp.inf)
   m = jnp.maximum(state.m, s.max(-1))  # (B, G, R, bq)
   # A row that has seen no key yet keeps m = -inf; subtracting 0 instead keeps exp() at 0, not NaN.
@@ -133,11 +140,11 @@ def finish(state: State) -> tuple[jax.Array, jax.Array]:
   return state.acc / l[..., None], jnp.where(seen, state.m + jnp.log(l), jnp.inf)
 
 
-def fold_grad(q, k, v, do, lse, delta, q_start, k_start, scale: float):
+def fold_grad(q, k, v, do, lse, delta, q_start, k_start, scale: float, q_seg=None, k_seg=None):
   """One block pair's (dq (B, G, R, bq, K), dk (B, G, bk, K), dv (B, G, bk, K)), float32, from
   the pair's scores recomputed against the saved lse; do (B, G, R, bq, K), delta (B, G, R, bq)."""
   B, G, R, bq, K = q.shape
-  s, mask = _scores(q, k, q_start, k_start, scale)
+  s, mask = _scores(q, k, q_start, k_start, scale, q_seg, k_seg)
   p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0.0)  # (B, G, R, bq, bk): the probabilities
   rows = lambda x: x.reshape(B, G, R * bq, x.shape[-1])  # the R heads' rows stacked
   do_r = rows(do).astype(v.dtype)
@@ -184,17 +191,33 @@ def _unblocked_kv(xb, T: int):
   return jnp.moveaxis(xb, 0, 2).reshape(B, G, n * b, K)[:, :, :T].transpose(0, 2, 1, 3)
 
 
-def _forward(q, k, v, block: int):
+def _blocked_seg(seg, b: int):
+  """Segment ids (B, T) -> (n, B, b), the blocks of `_blocked_q`'s and `_blocked_kv`'s positions;
+  None stays None."""
+  if seg is None:
+    return None
+  x = _pad(seg, b)
+  return jnp.moveaxis(x.reshape(x.shape[0], -1, b), 1, 0)
+
+
+def _at(segb, j):
+  """Block j of `_blocked_seg`'s blocks (None: None)."""
+  return None if segb is None else segb[j]
+
+
+def _forward(q, k, v, seg, block: int):
   """(out (B, T, H, K) in q's dtype, lse (n, B, G, R, b))."""
   T, K = q.shape[1], q.shape[3]
   b = min(block, T)
   scale = 1.0 / math.sqrt(K)
   G = k.shape[2]
   qb, kb, vb = _blocked_q(q, G, b), _blocked_kv(k, b), _blocked_kv(v, b)
+  segb = _blocked_seg(seg, b)
 
   def row(_, xs):
     i, q_i = xs  # q_i (B, G, R, b, K)
-    step = lambda j, st: fold(st, q_i, kb[j], vb[j], i * b, j * b, scale)
+    step = lambda j, st: fold(st, q_i, kb[j], vb[j], i * b, j * b, scale, _at(segb, i),
+                              _at(segb, j))
     # only kv blocks 0..i: the ones after the diagonal are wholly masked
     return None, finish(lax.fori_loop(0, i + 1, step, init_state(q_i, kb, vb)))
 
@@ -202,18 +225,18 @@ def _forward(q, k, v, block: int):
   return _unblocked_q(ob, T).astype(q.dtype), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q, k, v, block):
-  return _forward(q, k, v, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, seg, block):
+  return _forward(q, k, v, seg, block)[0]
 
 
-def _attention_fwd(q, k, v, block):
-  out, lse = _forward(q, k, v, block)
-  return out, (q, k, v, out, lse)
+def _attention_fwd(q, k, v, seg, block):
+  out, lse = _forward(q, k, v, seg, block)
+  return out, (q, k, v, seg, out, lse)
 
 
 def _attention_bwd(block, res, dout):
-  q, k, v, out, lse = res
+  q, k, v, seg, out, lse = res
   T, G, K = q.shape[1], k.shape[2], q.shape[3]
   b = min(block, T)
   scale = 1.0 / math.sqrt(K)
@@ -221,13 +244,15 @@ def _attention_bwd(block, res, dout):
   qb, kb, vb = _blocked_q(q, G, b), _blocked_kv(k, b), _blocked_kv(v, b)
   dob = _blocked_q(dout, G, b)  # (n, B, G, R, b, K)
   deltab = _blocked_q(delta[..., None], G, b)[..., 0]  # (n, B, G, R, b)
+  segb = _blocked_seg(seg, b)
 
   def row(dkv, xs):
     i, q_i, do_i, lse_i, delta_i = xs
 
     def step(j, carry):
       dq_i, dk, dv = carry
-      dq, dk_j, dv_j = fold_grad(q_i, kb[j], vb[j], do_i, lse_i, delta_i, i * b, j * b, scale)
+      dq, dk_j, dv_j = fold_grad(q_i, kb[j], vb[j], do_i, lse_i, delta_i, i * b, j * b, scale,
+                                 _at(segb, i), _at(segb, j))
       return dq_i + dq, dk.at[j].add(dk_j), dv.at[j].add(dv_j)
 
     dq_i = _zeros(q_i.shape, q_i, do_i, lse_i, delta_i, kb, vb)
@@ -238,15 +263,18 @@ def _attention_bwd(block, res, dout):
   (dkb, dvb), dqb = lax.scan(row, (zeros_kv, zeros_kv),
                              (jnp.arange(qb.shape[0]), qb, dob, lse, deltab))
   return (_unblocked_q(dqb, T).astype(q.dtype), _unblocked_kv(dkb, T).astype(k.dtype),
-          _unblocked_kv(dvb, T).astype(v.dtype))
+          _unblocked_kv(dvb, T).astype(v.dtype), None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = BLOCK) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = BLOCK,
+              segments: jax.Array | None = None) -> jax.Array:
   """Causal attention. q (B, T, H, K), k and v (B, T, G, K), H a multiple of G -> (B, T, H, K) in
-  q's dtype; any T (the last block is padded). Scores and sums in float32."""
+  q's dtype; any T (the last block is padded). Scores and sums in float32. `segments` (B, T) int:
+  each token's segment id (packed documents): a query sees only its own segment's keys, the mask
+  made block pair by block pair."""
   if q.shape[2] % k.shape[2]:
     raise ValueError(f"{q.shape[2]} query heads are not a multiple of {k.shape[2]} kv heads")
-  return _attention(q, k, v, int(block))
+  return _attention(q, k, v, segments, int(block))

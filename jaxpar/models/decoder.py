@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ConfigError
-from jaxpar.models import moe, precision, ring, stack
+from jaxpar.models import moe, precision, ring, segments, stack
 from jaxpar.models.base import ModelDef, from_nnx
 from jaxpar.models.stack import Parts
 from jaxpar.parallel.context import StepContext
@@ -79,9 +79,14 @@ def dropout(x: jax.Array, rate: float, key, which: int) -> jax.Array:
 
 
 def forward(parts: Parts, params: dict, tokens: jax.Array, ctx: StepContext = StepContext(),
-            remat: str = "none") -> jax.Array:
-  """tokens (B, T) int -> logits (B, T, V) float32."""
-  return stack.forward(parts, params, tokens, ctx, remat)
+            remat: str = "none", segment_ids: jax.Array | None = None) -> jax.Array:
+  """tokens (B, T) int -> logits (B, T, V) float32; `segment_ids` (B, T) int: packed documents
+  (models/segments.py), each at positions from 0 and seeing only itself."""
+  if segment_ids is None:
+    return stack.forward(parts, params, tokens, ctx, remat)
+  seg = segments.Segments(segment_ids, segments.positions(segment_ids))
+  return stack.forward(_positioned(parts, tokens.shape[1], ctx, seg), params, tokens,
+                       replace(ctx, segments=seg), remat)
 
 
 def mask_padding(logits: jax.Array, cfg) -> jax.Array:
@@ -113,12 +118,31 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, manual=frozenset()) -> 
   all-reduce of (B, T) values over `model`, so no device ever holds a whole (B, T, V) buffer
   (Megatron's vocab-parallel cross-entropy, expressed as sharded reductions for GSPMD).
   """
+  return jnp.mean(token_losses(logits, targets, manual))
+
+
+def token_losses(logits: jax.Array, targets: jax.Array, manual=frozenset()) -> jax.Array:
+  """`cross_entropy`'s loss of each token (B, T) float32, before the mean."""
   logits = constrain(logits, ("batch", "seq", "vocab"), manual=manual)
   top = jax.lax.stop_gradient(jnp.max(logits, -1, keepdims=True))  # (B, T, 1), for exp's range
   lse = jnp.log(jnp.sum(jnp.exp(logits - top), -1)) + top[..., 0]  # (B, T)
   vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
   picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), -1)  # (B, T)
-  return jnp.mean(lse - picked)
+  return lse - picked
+
+
+def share_weights(weights: jax.Array, manual=frozenset(), pieces: int = 1):
+  """A packed batch's target weights (..., T) -> (weights scaled so that a mean over `pieces`
+  equal pieces and over the context shares of sum(token loss x scaled weight) is the weighted
+  mean over all of them, their total count (the WEIGHT metric)). The count is summed over
+  `context` where the step is manual over it (the shares' counts differ), so each share's
+  gradient is already of its part of the one mean the step averages the shares into."""
+  n = jnp.sum(weights)
+  C = 1
+  if CONTEXT in manual:
+    n, C = jax.lax.psum(n, CONTEXT), jax.lax.axis_size(CONTEXT)
+  # a piece with nothing counted stays finite (train/pieces.py's `weighed`)
+  return weights * (pieces * C / jnp.maximum(n, 1.0)), n
 
 
 def with_embed_dropout(parts: Parts, rate: float, key, n_layers: int) -> Parts:
@@ -137,10 +161,10 @@ def with_embed_dropout(parts: Parts, rate: float, key, n_layers: int) -> Parts:
 def split_sequence(batch: dict, C: int) -> dict:
   """batch['tokens'] (B, T+1) -> {'inputs', 'targets'} (B, T), each in the ring's order for a
   context axis of C (models/ring.py): what the step splits along the sequence over `context`.
-  The loss is a mean over tokens, so their order does not change it."""
-  tokens = batch["tokens"]
-  return {"inputs": ring.split_sequence(tokens[:, :-1], C),
-          "targets": ring.split_sequence(tokens[:, 1:], C)}
+  The loss is a mean over tokens, so their order does not change it. A packed batch's
+  (segments.py) 'weights', 'segments' and 'positions' (B, T) come too, the positions taken from
+  the whole sequence before it is split."""
+  return {k: ring.split_sequence(v, C) for k, v in segments.split(batch).items()}
 
 
 def loss(parts: Parts, params: dict, batch: dict, ctx: StepContext = StepContext(),
@@ -152,14 +176,32 @@ def loss(parts: Parts, params: dict, batch: dict, ctx: StepContext = StepContext
   Inside a step that is manual over `context` the batch is this device's share of
   `split_sequence`'s {'inputs', 'targets'} (B, T/C): the embedding takes each token's global
   position, the blocks' attention runs around the ring, and the loss is this share's mean (the
-  step averages the shares)."""
-  if "inputs" in batch:
-    inputs, targets = batch["inputs"], batch["targets"]
-  else:
-    inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
-  logits, metrics = stack.forward_metrics(_on_ring(parts, inputs.shape[1], ctx), params, inputs,
-                                          ctx, remat)
-  return cross_entropy(logits, targets, ctx.manual), metrics
+  step averages the shares).
+
+  A packed batch (models/segments.py: `segment_ids`, `loss_mask`) runs its documents apart: their
+  positions restart at 0, attention stays within a document, and the loss is the weighted mean
+  over the counted targets, their count reported as the `loss_weight` metric."""
+  pieces = batch if "inputs" in batch else segments.split(batch)
+  inputs, targets = pieces["inputs"], pieces["targets"]
+  seg = segments.of(pieces)
+  logits, metrics = stack.forward_metrics(_positioned(parts, inputs.shape[1], ctx, seg), params,
+                                          inputs, replace(ctx, segments=seg), remat)
+  if "weights" not in pieces:
+    return cross_entropy(logits, targets, ctx.manual), metrics
+  weights, count = share_weights(pieces["weights"], ctx.manual)
+  loss = jnp.sum(token_losses(logits, targets, ctx.manual) * weights)
+  return loss, {**metrics, segments.WEIGHT: count}
+
+
+def _positioned(parts: Parts, n: int, ctx: StepContext, seg) -> Parts:
+  """`parts` whose embedding takes packed documents' positions (`seg`, segments.Segments; a
+  GPT's learned positions, Llama's rotary reads ctx.segments in its blocks), or `_on_ring`'s."""
+  if seg is None:
+    return _on_ring(parts, n, ctx)
+  if parts.embed_at is None:
+    return parts
+  embed_at = parts.embed_at
+  return replace(parts, embed=lambda top, x, dtype: embed_at(top, x, seg.positions, dtype))
 
 
 def _on_ring(parts: Parts, n: int, ctx: StepContext) -> Parts:
@@ -181,13 +223,31 @@ def pipeline_grads(parts: Parts, params: dict, micro: dict, sched,
   # inputs and targets are sliced here, where every device runs, not in the per-stage branches:
   # XLA:CPU cannot run a collective (sequence parallel's seq-split shift) that only some run
   if "inputs" not in micro:
-    tokens = micro["tokens"]
-    micro = {"inputs": tokens[:, :, :-1], "targets": tokens[:, :, 1:]}
-  score = lambda logits, mb: (cross_entropy(logits, mb["targets"], ctx.manual), {})
-  parts = _on_ring(parts, micro["inputs"].shape[2], ctx)
-  return stack.pipeline_grads(parts, params, micro, sched, score, ctx=ctx, remat=remat,
-                              loss_scale=loss_scale, forward_only=forward_only,
-                              metric_weights=metric_weights)
+    micro = segments.split(micro)
+  if "weights" not in micro:
+    score = lambda logits, mb: (cross_entropy(logits, mb["targets"], ctx.manual), {})
+    parts = _on_ring(parts, micro["inputs"].shape[2], ctx)
+    return stack.pipeline_grads(parts, params, micro, sched, score, ctx=ctx, remat=remat,
+                                loss_scale=loss_scale, forward_only=forward_only,
+                                metric_weights=metric_weights)
+  # packed: the weights are scaled over all M microbatches here, where every device runs (the
+  # count's psum over `context` too), so each microbatch's score is its share of one mean
+  M = micro["inputs"].shape[0]
+  weights, count = share_weights(micro["weights"], ctx.manual, M)
+  micro = {**micro, "weights": weights}
+
+  def score(logits, mb):
+    loss = jnp.sum(token_losses(logits, mb["targets"], ctx.manual) * mb["weights"])
+    return loss, {segments.WEIGHT: count}
+  inputs = lambda mb: mb["inputs"]
+  if "positions" in micro and parts.embed_at is not None:  # a GPT's learned positions
+    embed_at, inputs = parts.embed_at, lambda mb: (mb["inputs"], mb["positions"])
+    parts = replace(parts, embed=lambda top, x, dtype: embed_at(top, x[0], x[1], dtype))
+  elif "positions" not in micro:
+    parts = _on_ring(parts, micro["inputs"].shape[2], ctx)
+  return stack.pipeline_grads(parts, params, micro, sched, score, inputs=inputs, ctx=ctx,
+                              remat=remat, loss_scale=loss_scale, forward_only=forward_only,
+                              metric_weights=metric_weights, segments=segments.of)
 
 
 def with_router_losses(ce: jax.Array, metrics: dict, tc) -> tuple[jax.Array, dict]:

@@ -23,6 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.config import ModelConfig
 from jaxpar.models import blockwise, decoder, kvcache, moe, ring
 from jaxpar.models.base import ModelDef
+from jaxpar.models.segments import same as segments_same
 from jaxpar.parallel import tensor
 from jaxpar.parallel.context import StepContext
 from jaxpar.parallel.mesh import CONTEXT
@@ -123,9 +124,10 @@ def attention_implementation(q_shape: tuple, kv_shape: tuple, dtype: str) -> tup
   return "cudnn", "cuDNN flash attention"
 
 
-def _attention_matmuls(q, k, v) -> jax.Array:
+def _attention_matmuls(q, k, v, segments=None) -> jax.Array:
   """Causal attention as batched matmuls over (batch, kv head). q (B, T, H, K), k and v
-  (B, T, G, K) -> (B, T, H, K).
+  (B, T, G, K) -> (B, T, H, K); with `segments` (B, T) int (packed documents) a query sees only
+  its own segment's keys.
 
   The R = H/G query heads of one kv head are stacked along the query axis, so a single
   (R*T, K) x (K, T) matmul per (batch, kv head) serves them all, with heads-first operands XLA
@@ -141,6 +143,8 @@ def _attention_matmuls(q, k, v) -> jax.Array:
   v = v.transpose(0, 2, 1, 3)  # (B, G, T, K)
   s = jnp.matmul(q, k) * (1.0 / math.sqrt(K))  # (B, G, R*T, T)
   causal = jnp.tile(jnp.tril(jnp.ones((T, T), bool)), (R, 1))  # (R*T, T): query t sees keys <= t
+  if segments is not None:  # and only its own document's: (B, 1, R*T, T), as the scores are
+    causal = causal & jnp.tile(segments_same(segments, segments), (1, R, 1))[:, None]
   # a large finite negative, as jax.nn.dot_product_attention masks: exp underflows to exactly 0
   s = jnp.where(causal, s, -0.7 * jnp.finfo(s.dtype).max)
   o = jnp.matmul(jax.nn.softmax(s, axis=-1), v)  # (B, G, R*T, K)
@@ -155,19 +159,29 @@ def _attention_matmuls(q, k, v) -> jax.Array:
 BLOCKWISE_MIN_SEQ = 512
 
 
-def attention(q, k, v) -> jax.Array:
-  """Causal attention. q (B, T, H, K), k and v (B, T, G, K) -> (B, T, H, K) in q's dtype.
+def attention(q, k, v, segments=None) -> jax.Array:
+  """Causal attention. q (B, T, H, K), k and v (B, T, G, K) -> (B, T, H, K) in q's dtype;
+  `segments` (B, T) int: packed documents' segment ids, a query seeing only its own (None: one
+  sequence per row, the program without them).
 
   On GPU, cuDNN's fused kernel where `attention_implementation` finds it usable. Otherwise
   `blockwise.attention` from T = BLOCKWISE_MIN_SEQ on, and below it `_attention_matmuls` on CPU,
   XLA's jax.nn.dot_product_attention elsewhere. XLA:CPU has no half-precision matmul with a
   float32 accumulator, so there float16 and bfloat16 attention runs in float32 and is cast back.
+  With segments the fused cuDNN kernel is not used (jaxpar does not hand it segment ids): XLA's
+  form with a (B, 1, T, T) mask, or blockwise from BLOCKWISE_MIN_SEQ on.
   """
   long = q.shape[1] >= BLOCKWISE_MIN_SEQ
   if jax.default_backend() == "cpu":
     f32 = lambda t: t.astype(jnp.float32)
-    form = blockwise.attention if long else _attention_matmuls
-    return form(f32(q), f32(k), f32(v)).astype(q.dtype)
+    if long:
+      return blockwise.attention(f32(q), f32(k), f32(v), segments=segments).astype(q.dtype)
+    return _attention_matmuls(f32(q), f32(k), f32(v), segments).astype(q.dtype)
+  if segments is not None:
+    if long:
+      return blockwise.attention(q, k, v, segments=segments)
+    mask = segments_same(segments, segments)[:, None]  # (B, 1, T, T)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation="xla")
   impl, _ = attention_implementation(tuple(q.shape), tuple(k.shape), jnp.dtype(q.dtype).name)
   if impl == "xla" and long:
     return blockwise.attention(q, k, v)
@@ -178,14 +192,16 @@ def attend(q, k, v, ctx: StepContext) -> jax.Array:
   """`attention`, or around the ring (models/ring.py; all-gathered with
   ctx.context_attention="allgather") where the step is manual over `context`: q, k, v are then
   this device's T/C tokens in the ring's order. XLA:CPU has no half-precision matmul with a
-  float32 accumulator: there the ring runs in float32 too."""
+  float32 accumulator: there the ring runs in float32 too. `ctx.segments` (packed documents):
+  each query sees only its own document's keys."""
+  seg = None if ctx.segments is None else ctx.segments.ids
   if CONTEXT not in ctx.manual:
-    return attention(q, k, v)
+    return attention(q, k, v, seg)
   gather = ctx.context_attention == "allgather"
   if jax.default_backend() == "cpu":
     f32 = lambda t: t.astype(jnp.float32)
-    return ring.ring_attention(f32(q), f32(k), f32(v), CONTEXT, gather).astype(q.dtype)
-  return ring.ring_attention(q, k, v, CONTEXT, gather)
+    return ring.ring_attention(f32(q), f32(k), f32(v), CONTEXT, gather, seg).astype(q.dtype)
+  return ring.ring_attention(q, k, v, CONTEXT, gather, seg)
 
 
 # What the backward keeps of a block besides its inputs and attention's own residuals: the

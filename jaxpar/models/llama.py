@@ -138,7 +138,9 @@ def block(p: dict, x: jax.Array, cfg: ModelConfig, ctx: StepContext = StepContex
   tensor-parallel matmuls run; `ctx.rng` (this layer's key, training only) turns on
   `cfg.dropout`'s residual dropout."""
   positions = None
-  if CONTEXT in ctx.manual:  # this device's tokens of a context-split sequence: their rotary
+  if ctx.segments is not None:  # packed documents: each one's positions restart at 0
+    positions = ctx.segments.positions
+  elif CONTEXT in ctx.manual:  # this device's tokens of a context-split sequence: their rotary
     positions = ring.local_positions(x.shape[1], CONTEXT)[None]  # angles are global positions
   q, k, v = _qkv(p, x, cfg, ctx.manual, positions)
   x, metrics = _out_mlp(p, x, attend(q, k, v, ctx), cfg, ctx.manual, ctx.rng)

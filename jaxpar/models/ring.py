@@ -120,34 +120,54 @@ def _seen(q_start, k_start, b: int, n: int):
   return jnp.clip((q_start + b - 1 - k_start) // b + 1, 0, n)
 
 
-def _fold_chunk(state, q, k, v, q_start, k_start, scale: float):
+def _seg_blocks(seg, b: int):
+  """A chunk's segment ids (B, c) -> (c/b, B, b); None stays None."""
+  if seg is None:
+    return None
+  B, c = seg.shape
+  return jnp.moveaxis(seg.reshape(B, c // b, b), 1, 0)
+
+
+def _seg_halves(seg):
+  """Segment ids (B, 2c) -> its two chunks; None -> (None, None)."""
+  if seg is None:
+    return None, None
+  c = seg.shape[1] // 2
+  return seg[:, :c], seg[:, c:]
+
+
+def _fold_chunk(state, q, k, v, q_start, k_start, scale: float, q_seg=None, k_seg=None):
   """`state` with the key/value chunk k, v (B, G, c, K) folded into the query chunk q
   (B, G, R, c, K), one (b x b) block pair at a time (b = `_block_size`), the pairs the causal
-  mask hides never visited (a loop of `_seen` blocks): a device's scores are (B, G, R, b, b) at a time, as one device's blockwise
-  attention holds, so its temporaries grow as its T/C."""
+  mask hides never visited (a loop of `_seen` blocks): a device's scores are (B, G, R, b, b) at a
+  time, as one device's blockwise attention holds, so its temporaries grow as its T/C. q_seg,
+  k_seg (B, c): the chunks' segment ids (packed documents; None: one sequence)."""
   b = _block_size(k.shape[2])
   if b == k.shape[2]:
-    return bw.fold(state, q, k, v, q_start, k_start, scale)
+    return bw.fold(state, q, k, v, q_start, k_start, scale, q_seg, k_seg)
   kb, vb = _kv_blocks(k, b), _kv_blocks(v, b)
+  qsb, ksb = _seg_blocks(q_seg, b), _seg_blocks(k_seg, b)
 
   def q_row(_, xs):
     i, q_i, st_i = xs
     qs_i = q_start + i * b
 
-    step = lambda j, st: bw.fold(st, q_i, kb[j], vb[j], qs_i, k_start + j * b, scale)
+    step = lambda j, st: bw.fold(st, q_i, kb[j], vb[j], qs_i, k_start + j * b, scale,
+                                 bw._at(qsb, i), bw._at(ksb, j))
     return None, lax.fori_loop(0, _seen(qs_i, k_start, b, kb.shape[0]), step, st_i)
   blocks = bw.State(*(_q_blocks(x, b) for x in state))
   _, out = lax.scan(q_row, None, (jnp.arange(kb.shape[0]), _q_blocks(q, b), blocks))
   return bw.State(*(_q_unblocks(x) for x in out))
 
 
-def _grad_chunk(q, k, v, do, lse, delta, q_start, k_start, scale: float):
+def _grad_chunk(q, k, v, do, lse, delta, q_start, k_start, scale: float, q_seg=None, k_seg=None):
   """One chunk pair's (dq, dk, dv), float32 (blockwise.fold_grad), one (b x b) block pair at a
   time as in `_fold_chunk`."""
   b = _block_size(k.shape[2])
   if b == k.shape[2]:
-    return bw.fold_grad(q, k, v, do, lse, delta, q_start, k_start, scale)
+    return bw.fold_grad(q, k, v, do, lse, delta, q_start, k_start, scale, q_seg, k_seg)
   kb, vb = _kv_blocks(k, b), _kv_blocks(v, b)
+  qsb, ksb = _seg_blocks(q_seg, b), _seg_blocks(k_seg, b)
   n = kb.shape[0]
 
   def q_row(dkv, xs):
@@ -157,7 +177,7 @@ def _grad_chunk(q, k, v, do, lse, delta, q_start, k_start, scale: float):
     def step(j, carry):
       dq_i, dk, dv = carry
       dq, dk_j, dv_j = bw.fold_grad(q_i, kb[j], vb[j], do_i, lse_i, delta_i, qs_i,
-                                    k_start + j * b, scale)
+                                    k_start + j * b, scale, bw._at(qsb, i), bw._at(ksb, j))
       return dq_i + dq, dk.at[j].add(dk_j), dv.at[j].add(dv_j)
     dq_i = bw._zeros(q_i.shape, q_i, do_i, lse_i, delta_i, kb, vb)
     dq_i, dk, dv = lax.fori_loop(0, _seen(qs_i, k_start, b, n), step, (dq_i, *dkv))
@@ -171,11 +191,12 @@ def _grad_chunk(q, k, v, do, lse, delta, q_start, k_start, scale: float):
 
 
 def _gathered(x, axis: str):
-  """Every device's chunk pair of x (B, G, 2c, K) -> (C, B, G, 2c, K), device j's at [j]."""
-  return lax.all_gather(x, axis)
+  """Every device's chunk pair of x (B, G, 2c, K) -> (C, B, G, 2c, K), device j's at [j]; None
+  stays None."""
+  return None if x is None else lax.all_gather(x, axis)
 
 
-def _forward(q, k, v, axis: str, gather: bool):
+def _forward(q, k, v, seg, axis: str, gather: bool):
   C, i = lax.axis_size(axis), lax.axis_index(axis)
   G, K = k.shape[2], q.shape[3]
   c = q.shape[1] // 2
@@ -183,13 +204,15 @@ def _forward(q, k, v, axis: str, gather: bool):
   qs = _halves(bw.grouped_q(q, G))  # 2 x (B, G, R, c, K)
   q_starts = _starts(i, C, c)
 
-  def fold_visiting(states, kg, vg, s):  # device i - s's chunks, into both query chunks
+  q_segs = _seg_halves(seg)
+
+  def fold_visiting(states, kg, vg, ks, s):  # device i - s's chunks, into both query chunks
     k_starts = _starts((i - s) % C, C, c)
     states = list(states)
-    for b, (kb, vb) in enumerate(zip(_halves(kg), _halves(vg))):
+    for b, (kb, vb, ksb) in enumerate(zip(_halves(kg), _halves(vg), _seg_halves(ks))):
       for a in range(2):
         fold = functools.partial(_fold_chunk, q=qs[a], k=kb, v=vb, q_start=q_starts[a],
-                                 k_start=k_starts[b], scale=scale)
+                                 k_start=k_starts[b], scale=scale, q_seg=q_segs[a], k_seg=ksb)
         states[a] = lax.cond(bw.visible(q_starts[a], c, k_starts[b]),
                              lambda st, f=fold: f(st), lambda st: st, states[a])
     return tuple(states)
@@ -197,27 +220,27 @@ def _forward(q, k, v, axis: str, gather: bool):
   kg, vg = bw.grouped_kv(k), bw.grouped_kv(v)  # (B, G, 2c, K)
   states = tuple(bw.init_state(qa, kg, vg) for qa in qs)
   if gather:  # all chunks at once, folded in the ring's order
-    k_all, v_all = _gathered(kg, axis), _gathered(vg, axis)
+    k_all, v_all, s_all = _gathered(kg, axis), _gathered(vg, axis), _gathered(seg, axis)
 
     def visit(states, s):
       j = (i - s) % C
-      return fold_visiting(states, k_all[j], v_all[j], s), None
+      return fold_visiting(states, k_all[j], v_all[j], bw._at(s_all, j), s), None
     states, _ = lax.scan(visit, states, jnp.arange(C))
   else:
-    def hop(carry, s):  # fold, then pass k and v on: one loop body for the C - 1 hops
-      states, kg, vg = carry
-      return (fold_visiting(states, kg, vg, s), _shift(kg, axis, C), _shift(vg, axis, C)), None
+    def hop(carry, s):  # fold, then pass k and v (and their segment ids) on: one loop body
+      states, kg, vg, ks = carry
+      shift = lambda x: None if x is None else _shift(x, axis, C)
+      return (fold_visiting(states, kg, vg, ks, s), shift(kg), shift(vg), shift(ks)), None
 
-    (states, kg, vg), _ = lax.scan(hop, (states, kg, vg), jnp.arange(C - 1))
-    states = fold_visiting(states, kg, vg, C - 1)  # the last visitors go no further
+    (states, kg, vg, ks), _ = lax.scan(hop, (states, kg, vg, seg), jnp.arange(C - 1))
+    states = fold_visiting(states, kg, vg, ks, C - 1)  # the last visitors go no further
   outs, lses = zip(*(bw.finish(st) for st in states))
   out = bw.ungrouped_q(jnp.concatenate(outs, axis=-2)).astype(q.dtype)
   return out, jnp.concatenate(lses, axis=-1)  # lse (B, G, R, 2c)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str,
-                   gather: bool = False) -> jax.Array:
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, gather: bool = False,
+                   segments: jax.Array | None = None) -> jax.Array:
   """Causal attention of this device's queries over the whole ring's keys (see the module
   docstring); q (B, 2c, H, K), k and v (B, 2c, G, K) -> (B, 2c, H, K) in q's dtype.
 
@@ -225,17 +248,26 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str,
   all-gather each) and folds them in the ring's order; the backward gathers them again and
   reduce-scatters their gradients. It holds C chunk pairs of keys and values where the ring holds
   one, and its collectives are all-gathers and reduce-scatters, which may run where only some
-  devices run them (inside a pipeline stage's branch), where the ring's permutes may not."""
-  return _forward(q, k, v, axis, gather)[0]
+  devices run them (inside a pipeline stage's branch), where the ring's permutes may not.
+
+  `segments` (B, 2c) int: the segment ids of this device's tokens (packed documents,
+  models/segments.py): a query sees only its own segment's keys. They travel around the ring
+  with their keys (B x 2c int32 per hop), and each block pair makes its own mask from them."""
+  return _ring(q, k, v, segments, axis, gather)
 
 
-def _ring_fwd(q, k, v, axis, gather):
-  out, lse = _forward(q, k, v, axis, gather)
-  return out, (q, k, v, out, lse)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _ring(q, k, v, seg, axis, gather):
+  return _forward(q, k, v, seg, axis, gather)[0]
+
+
+def _ring_fwd(q, k, v, seg, axis, gather):
+  out, lse = _forward(q, k, v, seg, axis, gather)
+  return out, (q, k, v, seg, out, lse)
 
 
 def _ring_bwd(axis, gather, res, dout):
-  q, k, v, out, lse = res
+  q, k, v, seg, out, lse = res
   C, i = lax.axis_size(axis), lax.axis_index(axis)
   G, K = k.shape[2], q.shape[3]
   c = q.shape[1] // 2
@@ -245,14 +277,16 @@ def _ring_bwd(axis, gather, res, dout):
   deltas = _halves(bw.grouped_q(delta[..., None], G)[..., 0][..., None])
   lses = _halves(lse[..., None])
   q_starts = _starts(i, C, c)
+  q_segs = _seg_halves(seg)
 
-  def grad_visiting(dqs, dk, dv, kg, vg, s):  # device i - s's chunks' pairs; dk, dv are theirs
+  def grad_visiting(dqs, dk, dv, kg, vg, ks, s):  # device i - s's chunks' pairs; dk, dv theirs
     k_starts = _starts((i - s) % C, C, c)
     dqs, dk_parts, dv_parts = list(dqs), list(_halves(dk)), list(_halves(dv))
-    for b, (kb, vb) in enumerate(zip(_halves(kg), _halves(vg))):
+    for b, (kb, vb, ksb) in enumerate(zip(_halves(kg), _halves(vg), _seg_halves(ks))):
       for a in range(2):
         grad = functools.partial(_grad_chunk, qs[a], kb, vb, dos[a], lses[a][..., 0],
-                                 deltas[a][..., 0], q_starts[a], k_starts[b], scale)
+                                 deltas[a][..., 0], q_starts[a], k_starts[b], scale, q_segs[a],
+                                 ksb)
         zeros = lambda a=a, b=b: (jnp.zeros_like(dqs[a]), jnp.zeros_like(dk_parts[b]),
                                   jnp.zeros_like(dv_parts[b]))
         dq_ab, dk_ab, dv_ab = lax.cond(bw.visible(q_starts[a], c, k_starts[b]), grad, zeros)
@@ -265,12 +299,12 @@ def _ring_bwd(axis, gather, res, dout):
   dqs = tuple(bw._zeros(qa.shape, qa, kg, dout) for qa in qs)
   dk = dv = bw._zeros(kg.shape, q, kg, dout)  # the ring's travel with their chunk
   if gather:  # every chunk pair's gradients here, each summed on its owner (reduce-scatter)
-    k_all, v_all = _gathered(kg, axis), _gathered(vg, axis)
+    k_all, v_all, s_all = _gathered(kg, axis), _gathered(vg, axis), _gathered(seg, axis)
 
     def visit(carry, s):
       dqs, dk_all, dv_all = carry
       j = (i - s) % C
-      dqs, dk_j, dv_j = grad_visiting(dqs, dk, dv, k_all[j], v_all[j], s)
+      dqs, dk_j, dv_j = grad_visiting(dqs, dk, dv, k_all[j], v_all[j], bw._at(s_all, j), s)
       return (dqs, dk_all.at[j].set(dk_j), dv_all.at[j].set(dv_j)), None
     zeros_all = bw._zeros((C,) + dk.shape, q, kg, dout)
     (dqs, dk_all, dv_all), _ = lax.scan(visit, (dqs, zeros_all, zeros_all), jnp.arange(C))
@@ -278,17 +312,18 @@ def _ring_bwd(axis, gather, res, dout):
     dv = lax.psum_scatter(dv_all, axis, scatter_dimension=0)
   else:
     def hop(carry, s):
-      dqs, dk, dv, kg, vg = carry
-      dqs, dk, dv = grad_visiting(dqs, dk, dv, kg, vg, s)
-      shift = lambda x: _shift(x, axis, C)
-      return (dqs, shift(dk), shift(dv), shift(kg), shift(vg)), None
+      dqs, dk, dv, kg, vg, ks = carry
+      dqs, dk, dv = grad_visiting(dqs, dk, dv, kg, vg, ks, s)
+      shift = lambda x: None if x is None else _shift(x, axis, C)
+      return (dqs, shift(dk), shift(dv), shift(kg), shift(vg), shift(ks)), None
 
-    (dqs, dk, dv, kg, vg), _ = lax.scan(hop, (dqs, dk, dv, kg, vg), jnp.arange(C - 1))
-    dqs, dk, dv = grad_visiting(dqs, dk, dv, kg, vg, C - 1)
+    (dqs, dk, dv, kg, vg, ks), _ = lax.scan(hop, (dqs, dk, dv, kg, vg, seg), jnp.arange(C - 1))
+    dqs, dk, dv = grad_visiting(dqs, dk, dv, kg, vg, ks, C - 1)
     dk, dv = _shift(dk, axis, C), _shift(dv, axis, C)  # the C-th hop: home again
   dq = bw.ungrouped_q(jnp.concatenate(dqs, axis=-2))
   ungroup_kv = lambda x: x.transpose(0, 2, 1, 3)  # (B, G, 2c, K) -> (B, 2c, G, K)
-  return dq.astype(q.dtype), ungroup_kv(dk).astype(k.dtype), ungroup_kv(dv).astype(v.dtype)
+  return (dq.astype(q.dtype), ungroup_kv(dk).astype(k.dtype), ungroup_kv(dv).astype(v.dtype),
+          None)
 
 
-ring_attention.defvjp(_ring_fwd, _ring_bwd)
+_ring.defvjp(_ring_fwd, _ring_bwd)

@@ -156,7 +156,7 @@ def forward_metrics(parts: Parts, params: dict, inputs: Any, ctx: StepContext = 
 def pipeline_grads(parts: Parts, params: dict, micro: dict, sched, score: Callable,
                    inputs: Callable = lambda mb: mb["inputs"], ctx: StepContext = StepContext(),
                    remat: str = "none", loss_scale=1.0, forward_only=False,
-                   metric_weights: dict | None = None):
+                   metric_weights: dict | None = None, segments: Callable | None = None):
   """Loss and gradients through the pipeline schedule `sched` (inside a shard_map over `pipeline`).
 
   params: this stage's layers (leaves [L/P, ...]) and the replicated `top`; micro: batch leaves
@@ -167,6 +167,7 @@ def pipeline_grads(parts: Parts, params: dict, micro: dict, sched, score: Callab
   The blocks' `parts.metrics` join the metrics as their means over the layers and microbatches;
   `metric_weights` ({name: weight}, every name of parts.metrics) adds weight x each to the loss
   the gradients are of (a mixture's router losses), not to the loss returned.
+  segments(mb) -> a microbatch's `StepContext.segments` (packed documents), which its blocks get.
   """
   top, top_dims, layer_dims = split(params, ctx.dims)
   layer_ctx = replace(ctx, dims=layer_dims)
@@ -174,9 +175,9 @@ def pipeline_grads(parts: Parts, params: dict, micro: dict, sched, score: Callab
   def embed_fn(t, mb):
     return parts.embed(zero.gather(t, top_dims), inputs(mb), ctx.dtype)
 
-  def stage_fn(layers, x):
-    return run_layers(layers, x, parts.block, layer_ctx, remat, parts.metrics, parts.every,
-                      parts.pick)
+  def stage_fn(layers, x, mb):
+    lctx = layer_ctx if segments is None else replace(layer_ctx, segments=segments(mb))
+    return run_layers(layers, x, parts.block, lctx, remat, parts.metrics, parts.every, parts.pick)
 
   def loss_fn(t, x, mb):
     loss, metrics = score(parts.head(zero.gather(t, top_dims), x), mb)

@@ -32,6 +32,10 @@ class StepContext:
   # the key of this piece of the batch (models/base.py's at_rows), for a model's dropout; None:
   # run deterministic (evaluation, or no dropout). A layer scan folds in the layer's index
   rng: Any = field(default=None, hash=False, compare=False)
+  # packed documents (models/segments.py's Segments: segment ids and positions, each (B, T)
+  # int32) of the tokens the activations hold, in their order (the ring's over `context`);
+  # None: one sequence per row at positions 0..T-1. Arrays: left out of the hash
+  segments: Any = field(default=None, hash=False, compare=False)
 
   def __post_init__(self):
     object.__setattr__(self, "manual", frozenset(self.manual))

@@ -229,7 +229,8 @@ def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, lo
 
   layers: this stage's layers, leaves [V·Lc, ...] (chunk c = rows c·Lc ...); top: the parameters
   used outside the layers (replicated over stages); micro: batch leaves [M, b, ...].
-  embed_fn(top, mb) -> x (b, T, D); stage_fn(chunk_layers, x) -> x; loss_fn(top, x, mb) -> (mean
+  embed_fn(top, mb) -> x (b, T, D); stage_fn(chunk_layers, x, mb) -> x (mb: the microbatch x
+  belongs to, e.g. for its packed documents' segment ids); loss_fn(top, x, mb) -> (mean
   loss, dict of float32 scalar metrics). The loss and each metric are means over microbatches
   (returned as one pair); gradients are of that loss times `loss_scale`: the
   scale seeds each microbatch's cotangent, so a float16 backward carries scaled values all the way
@@ -262,14 +263,14 @@ def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, lo
   names = tuple(aux_weights or ())
   # a chunk's scalars -> its share of the means over all P·V chunks and M microbatches
   share = lambda aux: {k: aux[k] / (M * P * V) for k in names}
-  run = stage_fn if names else lambda ch, x: (stage_fn(ch, x), {})
+  run = stage_fn if names else lambda ch, x, mb: (stage_fn(ch, x, mb), {})
   seed = {k: jnp.float32(aux_weights[k] * loss_scale / (M * P * V)) for k in names}
 
   def fwd(carry, i, c):
     stash, recv_f, recv_b, g_layers, g_top, (loss, acc) = carry
     x = jax.lax.cond((s == 0) & (c == 0), lambda: embed_fn(top, take(micro, i)),
                      lambda: recv_f[slot(i, c)])
-    y, aux = run(chunk(c), x)
+    y, aux = run(chunk(c), x, take(micro, i))
     if forward_only:  # nothing to stash for a backward; the last chunk's output is scored now
       l = jax.lax.cond((s == P - 1) & (c == V - 1),
                        lambda: jax.tree_util.tree_map(lambda v: v / M,
@@ -281,7 +282,7 @@ def execute(sched: Schedule, layers, top, micro, embed_fn, stage_fn, loss_fn, lo
   def bwd(carry, i, c):
     stash, recv_f, recv_b, g_layers, g_top, (loss, acc) = carry
     mb = take(micro, i)
-    (y, aux), vjp = jax.vjp(run, chunk(c), stash[slot(i, c)])
+    (y, aux), vjp = jax.vjp(lambda ch, x: run(ch, x, mb), chunk(c), stash[slot(i, c)])
 
     def from_loss():
       def scaled(t, y):

@@ -303,7 +303,7 @@ class Trainer:
         loss, aux = over_context(*as_float_weight(loss, aux), manual)
       else:
         loss, aux = over_context(*as_float_weight(*model.loss(params, batch, ctx)), manual)
-      weighted = sched is None and WEIGHT in aux
+      weighted = WEIGHT in aux
       if weighted:
         loss, aux = weighed(loss, aux)
       if data_sharded:
@@ -329,6 +329,8 @@ class Trainer:
         M = sched.microbatches
         micro = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (M, 1) + x.shape), row)
         loss, aux, _ = model.pipeline(params, micro, sched, ctx, forward_only=True)
+        if WEIGHT in aux:  # counted over the M copies: the row's own count
+          aux = {**aux, WEIGHT: aux[WEIGHT] / M}
       else:
         loss, aux = model.loss(params, jax.tree_util.tree_map(one_row, row), ctx)
       loss, aux = over_context(*as_float_weight(loss, aux), manual)
@@ -403,7 +405,13 @@ class Trainer:
           if CONTEXT in manual:  # each device's vjp is of its share's mean: average the shares
             mean = zero.in_float32(lambda g: jax.lax.pmean(g, CONTEXT))
             grads = jax.tree_util.tree_map(mean, grads)
-          return (*over_context(*as_float_weight(loss, aux), manual), grads)
+          loss, aux = over_context(*as_float_weight(loss, aux), manual)
+          if WEIGHT in aux:  # this piece's sums, not its means (see WEIGHT), gradients too:
+            # a decoder's packed documents (models/segments.py), whose schedule returns means
+            w = jax.lax.stop_gradient(aux[WEIGHT])
+            grads = jax.tree_util.tree_map(lambda g: g * w.astype(g.dtype), grads)
+            loss, aux = weighed(loss, aux)
+          return loss, aux, grads
 
         rng = {}
         if key_data is not None:
@@ -440,7 +448,7 @@ class Trainer:
         loss, aux, grads = jax.tree_util.tree_map(lambda x: x / accum, total)
       if not (isinstance(scale, float) and scale == 1.0):
         grads = jax.tree_util.tree_map(lambda g: g / scale, grads)
-      weighted = sched is None and WEIGHT in aux
+      weighted = WEIGHT in aux
       if not data_sharded:  # one data shard: nothing to reduce over `data`
         return unweighted(loss, aux, grads, accum, manual) if weighted else (loss, aux, grads)
       if stage < 3:
