@@ -364,6 +364,7 @@ def test_jaxpar_removes_only_what_it_wrote_and_keeps_its_subfolders_private(
     assert path.stat().st_mode & 0o777 == 0o700, path
   assert updates["jax_enable_compilation_cache"]
   assert updates["jax_compilation_cache_dir"] == str(made)
+  assert updates["jax_persistent_cache_enable_xla_caches"] == "none"  # XLA's: read unchecked
   assert capsys.readouterr().err == ""
   # A user's own folder (0755) with the user's files in it, written under umask 002, one 0666,
   # one of another user; and the same in jaxpar's subfolders, with one named as an entry is.
@@ -390,6 +391,10 @@ def test_jaxpar_removes_only_what_it_wrote_and_keeps_its_subfolders_private(
   old = programs.path + "/" + cache_folder.SealedPrograms.name("jit_old-0") + ".xla"
   os.utime(old, (1e9, 1e9))
   planted = plant_user_files(*folders)
+  old_layout = mine / "jit_step-abc-cache"  # where an earlier jaxpar let JAX keep its programs
+  old_layout.write_bytes(b"a program kept before")
+  old_layout.chmod(0o664)
+  planted[old_layout] = (old_layout.read_bytes(), 0o664, os.getuid())
   capsys.readouterr()
   # Bounds below what is there: the least recently used program goes as a run starts, the other
   # stored step as a step is kept; nothing of the user's goes, whatever its mode or owner (one
@@ -425,6 +430,15 @@ def test_a_cache_path_others_could_change_or_a_bad_secret_turns_the_cache_off_wi
     assert note.startswith(f"note: the folder {named} is writable by {who}"), note
     assert f"chmod go-w {named}" in note and "no compilation cache, no step store" in note
   assert not (open_parent / "cache" / cache_folder.JAX_FOLDER).exists()
+  # A JAX that builds its file cache otherwise: no cache (its programs could not be checked).
+  from jax._src import compilation_cache as jcc
+  with monkeypatch.context() as m:
+    m.delattr(jcc, "get_file_cache")
+    updates.clear()
+    assert cli.use_compile_cache(cache_cfg(tmp_path / "elsewhere")) is None
+    assert updates == {"jax_enable_compilation_cache": False}
+    [note] = capsys.readouterr().err.splitlines()
+    assert note.startswith("note: no compilation cache, no step store: this JAX builds its file")
   # Under a folder anyone may write but with the sticky bit (/tmp), others cannot move it: used.
   sticky = tmp_path / "sticky"
   sticky.mkdir()
