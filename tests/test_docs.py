@@ -173,7 +173,8 @@ def _workdir(argv: list[str]) -> str:
 
 
 def test_docs_commands_run_in_order(tmp_path, monkeypatch, capsys):
-  for d in ("scripts", "configs", "jaxpar"):  # jaxpar: the own-data guide trains on its source
+  # jaxpar: the own-data guide trains on its source; examples: the fine-tune guide's records
+  for d in ("scripts", "configs", "jaxpar", "examples"):
     os.symlink(ROOT / d, tmp_path / d)
   env = child_env("JAX_PLATFORMS")
   steps = sequence()

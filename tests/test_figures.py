@@ -114,6 +114,12 @@ def block() -> dict:
                  "block": k["block_s"][side]["forward_backward"]} for side in ("jax", "torch")}
 
 
+def packing_row(layout: str) -> list[str]:
+  p = ref("packing")[layout]
+  return [comma(p["windows"]), r(100 * p["padding_share"], 1), comma(p["real_tokens_per_sec"]),
+          comma(p["answer_tokens_per_sec"])]
+
+
 def vs_pytorch() -> list[str]:
   v, off = ref("vs_pytorch"), ref("vs_pytorch_host_malloc_off")
   return [r(v["ratio"]), *map(r, v["ratio_spread"]), r(v["ratio_cpu"]),
@@ -213,6 +219,12 @@ C248 = (2, 4, 8)
 
 # (document, the phrase it quotes with {} for each figure, the figures from their one source)
 QUOTED = [
+    # packing instruction records (benchmarks/packing.py)
+    ("README.md", "{}% of the windows' tokens are padding where one record a window pads {}%",
+     lambda: [r(100 * ref("packing")[k]["padding_share"], 1) for k in ("packed", "one_per_window")]),
+    ("docs/fine-tune-data.md", "| one record a window | {} | {}% | {} | {} |",
+     lambda: packing_row("one_per_window")),
+    ("docs/fine-tune-data.md", "| packed | {} | {}% | {} | {} |", lambda: packing_row("packed")),
     # the README's feature table
     ("README.md", "peak per device {} MB at stage 0, {} MB at stage 3", lambda: [peak(0), peak(3)]),
     ("README.md", "temporaries at M = 16 on 1x1x4: GPipe {} MiB, 1F1B {} MiB",

@@ -215,3 +215,127 @@ def test_bad_records_are_one_sentence_naming_file_and_line(tmp_path, capsys, cas
   assert code == 2 and len(errors) == 1 and words in errors[0], err
   assert str(tmp_path / "data" / "train.jsonl") in errors[0] and "Traceback" not in err
   assert not (tmp_path / "wd").exists()
+
+
+# -- the loss over packed records (the decoders' segments and loss mask) ---------------------------
+
+TINY = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.d_ff=64",
+        "precision.compute_dtype=float32", "data.workers=0", "data.source=jsonl"]
+
+
+def chat_batch(tmp_path, monkeypatch, *extra):
+  """The first batch of examples/chat (two conversations a 256-token window) rendered through
+  jinja2 (transformers' import is slow), and its config."""
+  monkeypatch.setitem(sys.modules, "transformers", None)
+  root = __import__("pathlib").Path(__file__).resolve().parents[1] / "examples"
+  cfg = config.load(None, TINY + [f"data.path={root / 'chat'}",
+                                  f"data.tokenizer={root / 'chat-tokenizer'}",
+                                  "model.vocab_size=320", "model.seq_len=255",
+                                  "train.batch_size=4", *extra])
+  return cfg, make_loader(cfg, str(tmp_path)).next()
+
+
+def test_the_loss_is_the_mean_over_answer_tokens_of_each_record_alone(tmp_path, monkeypatch):
+  """The step's loss on packed chats equals a hand computation: each record run alone from
+  position 0, cross-entropy on its answer targets only, the mean over all the batch's answer
+  tokens (loss_weight their count). Changing a template token's target (the newline after the
+  last <|im_end|> of a record, loss_mask 0) changes nothing; changing an answer token does."""
+  import jax
+  import jax.numpy as jnp
+  import test_equivalence as eq
+
+  from jaxpar.models import decoder
+  from jaxpar.models import registry as jmodel
+  cfg, batch = chat_batch(tmp_path, monkeypatch)
+  seg, tokens, mask = batch["segment_ids"], batch["tokens"], batch["loss_mask"]
+  assert (seg.max(-1) == 2).all() and (seg == 0).any()  # two records a window, then padding
+  t = eq.trainer(cfg, (1, 1, 1))
+  state = t.init(cfg.train.seed)
+  fn = t.eval_jitted({k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()})
+
+  def eval_loss(b):
+    with jax.set_mesh(t.mesh):
+      return {k: float(v) for k, v in fn(state["params"], b).items()}
+  got = eval_loss(batch)
+  params = jax.device_get(t.to_logical(state)["params"])
+  parts = jmodel.decoder_parts(cfg.model)
+  records = [(tokens[r, seg[r] == s], mask[r, seg[r] == s])
+             for r in range(len(tokens)) for s in range(1, seg[r].max() + 1)]
+  alone = np.zeros((len(records), tokens.shape[1] - 1), np.int32)  # each from position 0;
+  for i, (ids, _) in enumerate(records):  # causal, so what follows it changes none of its logits
+    alone[i, :len(ids) - 1] = ids[:-1]
+  logits = np.asarray(decoder.forward(parts, params, jnp.asarray(alone)), np.float64)
+  total, count = 0.0, 0
+  for (ids, m), z in zip(records, logits):
+    z = z[:len(ids) - 1] - z[:len(ids) - 1].max(-1, keepdims=True)
+    ce = np.log(np.exp(z).sum(-1)) - z[np.arange(len(ids) - 1), ids[1:]]
+    total += float((ce * m[1:]).sum())
+    count += int(m[1:].sum())
+  assert got["loss"] == pytest.approx(total / count, rel=1e-5)
+  assert got["loss_weight"] == count
+  end = int(np.flatnonzero(seg[0] == 1)[-1])  # the last token of row 0's first record
+  assert mask[0, end] == 0 and tokens[0, end] == ord("\n")
+  changed = {**batch, "tokens": tokens.copy()}
+  changed["tokens"][0, end] = ord("x")
+  assert eval_loss(changed)["loss"] == pytest.approx(got["loss"], rel=1e-6)
+  answer = int(np.flatnonzero(mask[0] * (seg[0] == 1))[0])
+  changed["tokens"][0, answer] = ord("x")
+  assert eval_loss(changed)["loss"] != pytest.approx(got["loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize("shape,extra", [((2, 1, 1), ["train.grad_accum=2"]),
+                                         ((1, 1, 2), ["parallel.microbatches=4"])],
+                         ids=["2x1x1-accum2", "1x1x2-pipeline"])
+def test_accumulation_and_pipeline_give_the_per_answer_token_loss_of_one_device(tmp_path, shape,
+                                                                                extra):
+  """Packed prompt/completion records, whose windows hold unequal numbers of answer tokens:
+  two training steps with gradient accumulation over data shards, or under a pipeline's
+  microbatches, give one device's losses and first gradients (fp32, 1e-5): means of the pieces'
+  means would not."""
+  import jax
+  import jax.numpy as jnp
+  import test_equivalence as eq
+  write(tmp_path / "data" / "train.jsonl", RECORDS * 2)
+  base = TINY + [f"data.path={tmp_path / 'data'}", "model.seq_len=31", "train.batch_size=8",
+                 "train.lr=1e-2", "train.warmup_steps=0"]
+  results = []
+  for s, e in (((1, 1, 1), []), (shape, extra)):
+    cfg = config.load(None, base + e)
+    it = make_loader(cfg, str(tmp_path))
+    data = [{k: jnp.asarray(v) for k, v in it.next().items()} for _ in range(2)]
+    per_row = np.asarray(data[0]["loss_mask"][:, 1:]).sum(1)
+    assert len(set(per_row.tolist())) > 1, per_row  # rows weigh unequally
+    t = eq.trainer(cfg, s, expose_grads=True)
+    state = t.init(cfg.train.seed)
+    losses, grads = [], None
+    for b in data:
+      state, m = t.step(state, b)
+      losses.append(float(m["loss"]))
+      if grads is None:
+        grads = jax.device_get(t._reorder(m["grads"], None if t.layer_order is None
+                                          else np.argsort(t.layer_order)))
+    results.append((np.array(losses), grads))
+  np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5)
+  eq.assert_trees_close(results[1][1], results[0][1], "first step's gradients")
+
+
+def test_a_template_that_renders_earlier_turns_otherwise_is_refused(tmp_path, monkeypatch):
+  """A template that writes an assistant turn one way while it is the last and another once
+  more turns follow (as Qwen3's drops earlier reasoning) leaves no answer span to find: the
+  record is refused, naming it, rather than masked wrongly."""
+  monkeypatch.setitem(sys.modules, "transformers", None)  # jinja2: fast, and the same rendering
+  folder = tokenizer_folder(tmp_path / "tok", "qwen")
+  cfg_path = folder / "tokenizer_config.json"
+  cfg = json.loads(cfg_path.read_text())
+  cfg["chat_template"] = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == "
+                          "'assistant' and not loop.last %}(earlier){% else %}{{ m.content }}"
+                          "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}"
+                          "<|im_start|>assistant\n{% endif %}")
+  cfg_path.write_text(json.dumps(cfg))
+  enc = encoder(folder)
+  ids, mask = enc.encode({"messages": CHAT[:3]}, "f:1")  # one answer, the last: found
+  answer = enc.tokenizer.decode(ids[mask].tolist(), skip_special_tokens=False)
+  assert answer == ANSWERS[0] + "<|im_end|>"
+  with pytest.raises(ConfigError, match="f:2: the chat template of .* renders the turns up to "
+                                        "message 2 differently once more turns follow"):
+    enc.encode({"messages": CHAT}, "f:2")
