@@ -270,6 +270,7 @@ def test_the_step_store_keys_what_makes_the_step_and_a_bad_entry_is_a_miss(
              "checkpoint.every": 9, "checkpoint.keep": 1, "train.spike_factor": 2.0,
              "train.spike_steps": 3, "train.spike_window": 20, "train.max_rollbacks": 1,
              "train.stall_timeout": 99.0, "train.first_step_timeout": 99.0,
+             "train.peer_timeout": 30.0,
              "train.compile_cache": "/elsewhere", "train.compile_cache_max_gb": 1.0,
              "model.init_from": "/a/model", "data.source": "local_text", "data.name": "x",
              "data.split": "test", "data.data_dir": "/d", "data.path": "/p",

@@ -68,7 +68,7 @@ EXCLUDED = (
     # the loss-spike guard judges fetched losses on the host and restores a host copy (guard.py)
     "train.spike_factor", "train.spike_steps", "train.spike_window", "train.max_rollbacks",
     # the watchdog's limits (parallel/watchdog.py)
-    "train.stall_timeout", "train.first_step_timeout",
+    "train.stall_timeout", "train.first_step_timeout", "train.peer_timeout",
     # where compiled programs are kept, and how many
     "train.compile_cache", "train.compile_cache_max_gb",
     # where the first weights come from: the state, not the step (its shapes are keyed)
