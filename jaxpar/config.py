@@ -180,6 +180,15 @@ class TrainConfig:
   # log-sum-exp of the router logits), added to the training loss
   moe_aux_weight: float = 0.01
   moe_z_weight: float = 0.001  # weight of the router's z-loss (see moe_aux_weight)
+  # LoRA (gpt, llama; docs/lora.md): lora_rank > 0 trains rank-r adapters A (in x r) and B
+  # (r x out, zero at the start) beside each weight lora_targets names, each layer running with
+  # W + lora_alpha / lora_rank * A @ B; every other parameter is frozen (no optimizer state, no
+  # gradient reduced). lora_targets: comma-separated layer weights (wq, wk, wv, wo; gpt's w1, w2;
+  # llama's w_gate, w_up, w_down; a mixture's e_* experts and s_* shared experts) or the groups
+  # attention, mlp, experts, shared. 0 = off.
+  lora_rank: int = 0
+  lora_alpha: float = 16.0  # the adapters' scale is lora_alpha / lora_rank (PEFT's)
+  lora_targets: str = "attention"
 
 
 @dataclass(frozen=True)
@@ -257,7 +266,7 @@ _NON_NEGATIVE = ("model.n_kv_heads", "model.head_dim", "model.max_positions", "p
                  "train.stall_timeout", "train.first_step_timeout", "train.peer_timeout",
                  "train.compile_cache_max_gb", "model.n_experts", "model.shared_experts",
                  "model.moe_d_ff", "model.capacity_factor", "train.moe_aux_weight",
-                 "train.moe_z_weight")
+                 "train.moe_z_weight", "train.lora_rank")
 
 
 def _field_types(cls) -> dict[str, Any]:
@@ -353,6 +362,7 @@ def validate(cfg: Config) -> Config:
     raise ConfigError(f"config key parallel.zero_stage={cfg.parallel.zero_stage} must be 0, 1, 2 or 3")
   _check_loss_scale(cfg.precision)
   _check_experts(cfg.model)
+  _check_lora(cfg)
   if cfg.train.batch_size % cfg.train.grad_accum:
     raise ConfigError(f"train.batch_size={cfg.train.batch_size} is not divisible by "
                       f"train.grad_accum={cfg.train.grad_accum}")
@@ -385,6 +395,22 @@ def _check_experts(mc: ModelConfig) -> None:
     raise ConfigError(f"config key model.moe_every={mc.moe_every} does not divide "
                       f"model.n_layers={mc.n_layers}: every group of moe_every layers ends in one "
                       "mixture of experts")
+
+
+def _check_lora(cfg: Config) -> None:
+  tc, off = cfg.train, TrainConfig()
+  if not tc.lora_rank:
+    for name in ("lora_alpha", "lora_targets"):
+      if getattr(tc, name) != getattr(off, name):
+        raise ConfigError(f"config key train.{name}={getattr(tc, name)!r} needs "
+                          f"train.lora_rank > 0 (LoRA adapters)")
+    return
+  if not tc.lora_alpha > 0:
+    raise ConfigError(f"config key train.lora_alpha={tc.lora_alpha} must be positive (the "
+                      f"adapters' scale is lora_alpha / lora_rank)")
+  if cfg.model.kind not in ("gpt", "llama"):
+    raise ConfigError(f"config key train.lora_rank={tc.lora_rank} is for model.kind gpt or llama, "
+                      f"not {cfg.model.kind}")
 
 
 def _check_loss_scale(pc: PrecisionConfig) -> None:
@@ -512,7 +538,8 @@ def from_dict(tree: dict[str, Any]) -> Config:
 # The rest say *how* it runs (mesh, ZeRO stage, schedule, steps, learning rate...) and may change
 # between a save and a resume. Where the data lives (data.data_dir) and how many threads read it
 # (data.workers) do not change the data.
-_WHAT_IS_TRAINED = ("model.", "data.", "train.batch_size", "train.seed", "precision.param_dtype")
+_WHAT_IS_TRAINED = ("model.", "data.", "train.batch_size", "train.seed", "precision.param_dtype",
+                    "train.lora_")
 _HOW_DATA_IS_READ = ("data.data_dir", "data.workers")
 # Paths: compared as the files they name. A run stores them absolute (`absolute_paths`), so a
 # relative one typed in another folder is not taken for the same data.

@@ -1,7 +1,8 @@
 """Export a checkpoint: jaxpar-export --workdir DIR [--step N] --out FILE.safetensors
 (one file, FILE.json beside it with the model config and jaxpar version), or --hf FOLDER (a
 Hugging Face folder for `from_pretrained`: config.json, model.safetensors and the run's tokenizer
-files). Also python -m jaxpar export, or python scripts/export.py in a checkout."""
+files; a LoRA run's adapters merged into its weights), or --peft FOLDER (a LoRA run's adapters
+as a PEFT folder, for `PeftModel.from_pretrained` onto the model folder it started from). Also python -m jaxpar export, or python scripts/export.py in a checkout."""
 from __future__ import annotations
 
 import os
@@ -17,11 +18,14 @@ def main(argv=None) -> int:
   out = p.add_mutually_exclusive_group(required=True)
   out.add_argument("--out", help="FILE.safetensors to write")
   out.add_argument("--hf", metavar="FOLDER", help="a Hugging Face model folder to write (gpt, llama)")
+  out.add_argument("--peft", metavar="FOLDER",
+                   help="a PEFT adapter folder to write (a run with train.lora_rank > 0)")
   p.add_argument("--debug", action="store_true", help="show tracebacks")
   args = p.parse_args(argv)
 
   def body():
-    cli.check_outputs(("--hf", args.hf, "folder"), ("--out", args.out, "file"))
+    cli.check_outputs(("--hf", args.hf, "folder"), ("--peft", args.peft, "folder"),
+                      ("--out", args.out, "file"))
     from jaxpar.interop import export  # imports JAX: only once the outputs are known to be writable
     if args.hf:
       from jaxpar.interop import hf  # only --hf needs the Hugging Face interop
@@ -32,6 +36,12 @@ def main(argv=None) -> int:
             + f" ({done.config['architectures'][0]})"
             + (f", and the run's tokenizer ({', '.join(tokenizer)})" if tokenizer else "")
             + _kept(done))
+      return 0
+    if args.peft:
+      from jaxpar.interop import peft  # only --peft needs the adapter export
+      adapter = peft.export(args.workdir, args.peft, args.step)
+      print(f"wrote {args.peft}/adapter_model.safetensors and adapter_config.json (LoRA rank "
+            f"{adapter['r']} on {', '.join(adapter['target_modules'])})")
       return 0
     info = export.export(args.workdir, args.out, args.step)
     print(f"wrote {args.out} ({info['n_tensors']} tensors, {info['n_params']:,} parameters, "

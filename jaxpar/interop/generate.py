@@ -36,7 +36,7 @@ from jaxpar.config import ConfigError
 from jaxpar.data import SEPARATOR, VOCAB_SIZE, tokenize
 from jaxpar.data.windows import end_of_text_id, load_tokenizer
 from jaxpar.interop import export
-from jaxpar.models import decoder, gpt, kvcache, llama, precision
+from jaxpar.models import decoder, gpt, kvcache, llama, lora, precision
 from jaxpar.models import registry as jmodel
 from jaxpar.parallel import mesh as jmesh
 from jaxpar.parallel import zero
@@ -303,6 +303,10 @@ class Sampler:
     return self
 
   def _setup(self, cfg, trainer, params, codec: Codec | None = None) -> None:
+    if cfg.train.lora_rank:  # sample from W + alpha/r * A @ B, the model the adapters trained
+      with jax.set_mesh(trainer.mesh):
+        params = jax.jit(lambda p: lora.merge_params(p, cfg.train),
+                         out_shardings=lora.base_only(trainer.state_shardings["params"]))(params)
     self.cfg, self.trainer, self.params = cfg, trainer, params
     self.codec = codec or Codec(cfg)
     self.mesh = trainer.mesh
@@ -315,7 +319,8 @@ class Sampler:
       rows = NamedSharding(self.mesh, P(zero.DATA))
       run = decode_fn(self.cfg, n_prompt, n_new, batch, cache)
       self._compiled[signature] = jax.jit(
-          run, in_shardings=(self.trainer.state_shardings["params"], rows, rows) + (None,) * 5,
+          run, in_shardings=(lora.base_only(self.trainer.state_shardings["params"]), rows, rows)
+          + (None,) * 5,
           out_shardings=rows)
     return self._compiled[signature]
 

@@ -28,7 +28,7 @@ import numpy as np
 from jaxpar import config as jconfig
 from jaxpar import kinds
 from jaxpar.config import ConfigError
-from jaxpar.interop import hf_llama
+from jaxpar.interop import hf_llama, peft
 from jaxpar.interop.export import STEP_REMEDY, checkpoint_step, write_safetensors, writes
 from jaxpar.interop import generate
 from jaxpar.interop.generate import Codec
@@ -200,13 +200,14 @@ def _export(directory: str, step: int, out_dir: str, cfg) -> dict:
                       f"{mc.d_model // mc.n_heads} wide); llama-kind ones export as Qwen3")
   stored = checkpoint.stored_params(directory, step)
   tensors = _hf_tensors(mc)
+  read = peft.merged_reader(directory, step, cfg)  # a LoRA run's weights merged with its adapters
   cache: dict[str, np.ndarray] = {}
 
   def param(path):  # the last few parameters read, so q/k/v and per-layer slices read each once
     if path not in cache:
       if len(cache) >= 3:
         cache.pop(next(iter(cache)))
-      cache[path] = checkpoint.read_param(directory, step, path)
+      cache[path] = read(path)
     return cache[path]
 
   def shape_of(hf_name):  # from the stored shapes, on zero-stride stand-ins that take no memory

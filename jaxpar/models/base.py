@@ -50,6 +50,9 @@ class ModelDef:
   # the step splits over a `context` axis of C; its loss then runs on one device's share and its
   # attention around the ring. None: the model cannot be split along the sequence (context=1)
   seq_split: Callable[[Any, int], Any] | None = None
+  # the parameters the model itself holds fixed (a tree of bools like `abstract`), joined to the
+  # trainer's `frozen`: a LoRA model's base weights (models/lora.py). None: none
+  frozen: Any = None
 
 
 # -- the per-step RNG ---------------------------------------------------------------------------

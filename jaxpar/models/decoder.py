@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ConfigError
-from jaxpar.models import moe, precision, ring, segments, stack
+from jaxpar.models import lora, moe, precision, ring, segments, stack
 from jaxpar.models.base import ModelDef, from_nnx
 from jaxpar.models.stack import Parts
 from jaxpar.parallel.context import StepContext
@@ -56,10 +56,10 @@ def in_groups(parts, cfg, dense: tuple[str, ...]):
   if not cfg.n_experts or k == 1:
     return parts
 
-  def pick(p: dict, j: int) -> dict:
+  def pick(p: dict, j: int) -> dict:  # (a weight's LoRA adapters go with it: lora.base_name)
     skip = dense if j == k - 1 else moe.PARAMS  # the mixture's layer has no dense MLP, and back
-    return {name: v[0] if name in moe.PARAMS else v[j] for name, v in p.items()
-            if name not in skip}
+    return {name: v[0] if lora.base_name(name) in moe.PARAMS else v[j] for name, v in p.items()
+            if lora.base_name(name) not in skip}
   return replace(parts, every=k, pick=pick)
 
 
@@ -263,10 +263,11 @@ def with_router_losses(ce: jax.Array, metrics: dict, tc) -> tuple[jax.Array, dic
 def model_def(cfg, module) -> ModelDef:
   """A decoder of `module` (models/gpt.py, models/llama.py: its MODULE, parts and parameter
   count) for `cfg`, in `precision.param_dtype`, each layer under `parallel.remat`'s policy:
-  ZeRO-3 gathers one layer at a time inside the scan; the pipeline form runs any schedule."""
+  ZeRO-3 gathers one layer at a time inside the scan; the pipeline form runs any schedule. With
+  train.lora_rank > 0, low-rank adapters on train.lora_targets and the rest frozen (lora.py)."""
   param_dtype, remat = precision.param_dtype(cfg.precision), cfg.parallel.remat
   mc = cfg.model
-  parts = module.parts(mc)
+  parts = lora.wrap_parts(module.parts(mc), cfg.train)  # train.lora_rank > 0: adapters merged
   base = from_nnx(lambda rngs: module.MODULE(mc, rngs=rngs, param_dtype=param_dtype),
                   loss_fn=lambda out, batch: (out, {}))
   rate = mc.dropout
@@ -291,6 +292,7 @@ def model_def(cfg, module) -> ModelDef:
   # its D is the heads' width H K, which model.head_dim may set apart from d_model)
   HK = mc.n_heads * mc.head_width()
   flops_tok = 6 * module.n_params_nonembedding(mc) + 12 * mc.n_layers * HK * mc.seq_len
-  return ModelDef(init=base.init, loss=loss_, logical=base.logical, abstract=base.abstract,
-                  tokens_per_example=mc.seq_len, flops_per_example=flops_tok * mc.seq_len,
-                  pipeline=pipeline, takes_rng=rate > 0, seq_split=split_sequence)
+  return lora.with_adapters(
+      ModelDef(init=base.init, loss=loss_, logical=base.logical, abstract=base.abstract,
+               tokens_per_example=mc.seq_len, flops_per_example=flops_tok * mc.seq_len,
+               pipeline=pipeline, takes_rng=rate > 0, seq_split=split_sequence), cfg.train)

@@ -1,6 +1,7 @@
 """Logical axis names -> mesh axes: the one table every strategy goes through.
 
-Models name logical axes only (`batch, seq, embed, heads, kv, mlp, vocab, layers, expert`).
+Models name logical axes only (`batch, seq, embed, heads, kv, mlp, vocab, layers, expert`;
+`rank`, a LoRA adapter's).
 `RULES` maps them to mesh axes; Megatron tensor parallelism is the `heads`/`mlp`/`vocab` ->
 `model` rows (column-parallel where the axis is a kernel's output, row-parallel where it is the
 input); expert parallelism the `expert` -> `data` row.
@@ -20,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import ConfigError
 from jaxpar.parallel import mesh as jmesh
 
-LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv", "mlp", "vocab", "layers", "expert")
+LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv", "mlp", "vocab", "layers", "expert", "rank")
 
 # logical axis -> mesh axis (None = replicated). Order matters only for readability.
 RULES: tuple[tuple[str, str | None], ...] = (
@@ -36,6 +37,7 @@ RULES: tuple[tuple[str, str | None], ...] = (
     # each data replica holds n_experts / data of them, tokens reach them by all-to-all over
     # `data` (parallel/expert.py); the one parameter axis that may name `data` outside ZeRO
     ("expert", jmesh.DATA),
+    ("rank", None),  # a LoRA adapter's rank (models/lora.py): never split, nor by ZeRO
 )
 
 Logical = tuple[str | None, ...]

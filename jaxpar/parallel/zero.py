@@ -52,7 +52,7 @@ def zero_dim(shape, spec: P, logical, mesh_shape) -> int:
     axes = spec[i] if i < len(spec) else None
     names = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
     taken = any(mesh_shape[a] > 1 for a in names)
-    if taken or (logical and logical[i] == "layers") or dim % n_data:
+    if taken or (logical and logical[i] in ("layers", "rank")) or dim % n_data:
       continue
     if best < 0 or dim > shape[best]:
       best = i

@@ -104,11 +104,16 @@ def plan(cfg: Config, mesh_shape: str | Sequence[int], devices: Sequence[Any] | 
     return sum(jax.tree_util.tree_leaves(jax.tree_util.tree_map(
         lambda a, s: shard_bytes(a.shape, a.dtype, s), tree_abstract, tree_sh)))
 
-  # Grads take the param dtype: the step casts to the compute dtype inside the loss only.
-  per_device = {"params": total(abstract, param_sh), "grads": total(abstract, grad_sh),
+  # Grads take the param dtype: the step casts to the compute dtype inside the loss only. A
+  # frozen parameter (a LoRA's base weights) has none: the step neither reduces nor keeps it.
+  frozen = trainer.frozen or jax.tree_util.tree_map(lambda _: False, abstract)
+  trained = jax.tree_util.tree_map(lambda a, f: None if f else a, abstract, frozen)
+  grads_sh = jax.tree_util.tree_map(lambda s, f: None if f else s, grad_sh, frozen)
+  per_device = {"params": total(abstract, param_sh), "grads": total(trained, grads_sh),
                 "opt_state": total(opt_abstract, opt_sh)}
   full_params = sum(_full_bytes(a) for a in jax.tree_util.tree_leaves(abstract))
-  unsharded = {"params": full_params, "grads": full_params,
+  unsharded = {"params": full_params,
+               "grads": sum(_full_bytes(a) for a in jax.tree_util.tree_leaves(trained)),
                "opt_state": sum(_full_bytes(a) for a in jax.tree_util.tree_leaves(opt_abstract))}
 
   parameters, experts = [], []

@@ -25,7 +25,7 @@ from jaxpar import data as jdata
 from jaxpar.analysis import hlo
 from jaxpar.analysis import profile as jprofile
 from jaxpar.config import Config
-from jaxpar.models import decoder, hf_weights
+from jaxpar.models import decoder, hf_weights, lora
 from jaxpar.models.registry import build_model  # noqa: F401 (the model a run builds, by this name)
 from jaxpar.parallel import distributed as jdistributed
 from jaxpar.parallel import mesh as jmesh
@@ -201,8 +201,11 @@ class _Run:
       self.log(f"resuming from the checkpoint at step {start} in {self.ckpt.directory}")
       return trainer.from_logical(state), start, int(extra.get("skipped_steps", 0))
     if cfg.model.init_from:  # a new run from a Hugging Face model folder's weights
-      params = hf_weights.load_params(cfg.model.init_from, cfg.model, trainer.model.abstract,
-                                      trainer.state_shardings["params"])
+      shardings = trainer.state_shardings["params"]
+      params = hf_weights.load_params(cfg.model.init_from, cfg.model,
+                                      lora.base_only(trainer.model.abstract),
+                                      lora.base_only(shardings))
+      params = lora.add_adapters(params, trainer.model, cfg.train, shardings, cfg.train.seed)
       self.log(f"initialised from the model folder {cfg.model.init_from}")
       return trainer.init_with(params), 0, 0
     return trainer.init(cfg.train.seed), 0, 0

@@ -49,6 +49,13 @@ def select(selection: Callable[[str], bool] | Any | None, abstract: Any, what: s
   return jax.tree_util.tree_map(bool, selection)
 
 
+def joined(frozen: Any | None, more: Any | None) -> Any | None:
+  """Two trees of bools (either None) -> a leaf is frozen in either."""
+  if frozen is None or more is None:
+    return more if frozen is None else frozen
+  return jax.tree_util.tree_map(lambda a, b: bool(a or b), frozen, more)
+
+
 def make(tc: TrainConfig, logical: Any, frozen: Any | None = None,
          decay: Any | None = None) -> optax.GradientTransformation:
   """clip_by_global_norm -> AdamW(schedule, b1, b2, weight_decay masked by `decay`, by default

@@ -82,7 +82,7 @@ class Trainer:
     # activations: sequence parallel also splits `seq` over `model` outside attention and MLP
     table = jrules.RULES if rules is None else jrules.check_table(rules)
     self.rules = jrules.rules_for(cfg.parallel.sequence_parallel, table)
-    self.frozen = optim.select(frozen, model.abstract, "frozen")
+    self.frozen = optim.joined(optim.select(frozen, model.abstract, "frozen"), model.frozen)
     if tx is None:
       self.tx = optim.make(cfg.train, model.logical, self.frozen,
                            optim.select(decay_mask, model.abstract, "decay_mask"))
@@ -94,9 +94,10 @@ class Trainer:
       self.tx = optim.with_frozen(tx, self.frozen)
       self.lr_schedule = None  # the logged rate is tx's own injected hyperparameter, if any
     if pc.offload_optimizer and (tx is not None or self.frozen is not None):
+      why = ("the LoRA adapters' optimizer state is small" if model.frozen is not None else
+             "it cannot take a tx of your own or frozen parameters")
       raise ConfigError("parallel.offload_optimizer updates the config's AdamW one parameter at a "
-                        "time and cannot take a tx of your own or frozen parameters; set "
-                        "parallel.offload_optimizer=false")
+                        f"time, and {why}; set parallel.offload_optimizer=false")
     # Where the state lives (train/layout.py); its names are the trainer's too.
     self.state_layout = L = StateLayout(cfg, mesh, model, self.tx, table)
     self.specs, self.layout, self.schedule = L.specs, L.zero, L.schedule
@@ -451,14 +452,22 @@ class Trainer:
       weighted = WEIGHT in aux
       if not data_sharded:  # one data shard: nothing to reduce over `data`
         return unweighted(loss, aux, grads, accum, manual) if weighted else (loss, aux, grads)
-      if stage < 3:
-        grads = zero.scatter_mean(grads, L.dims, scatter=stage == 2)
-      else:  # sharded leaves were summed and scattered by the transpose of their all-gathers;
+      n = jax.lax.axis_size(zero.DATA)
+      total = zero.in_float32(lambda g: jax.lax.psum(g, zero.DATA))
+
+      def reduce(g, d, frozen):
+        if frozen:  # its gradient is zero: nothing to reduce, only this shard's part to give
+          scattered = stage == 2 and d >= 0
+          return jnp.zeros(g.shape[:d] + (g.shape[d] // n,) + g.shape[d + 1:] if scattered
+                           else g.shape, g.dtype)
+        if stage < 3:
+          return zero.scatter_mean(g, d, scatter=stage == 2)
+        # sharded leaves were summed and scattered by the transpose of their all-gathers;
         # leaves too small to shard are summed here
-        n = jax.lax.axis_size(zero.DATA)
-        total = zero.in_float32(lambda g: jax.lax.psum(g, zero.DATA))
-        grads = jax.tree_util.tree_map(
-            lambda g, d: (g if d >= 0 or d == zero.OWNED else total(g)) / n, grads, L.dims)
+        return (g if d >= 0 or d == zero.OWNED else total(g)) / n
+      frozen = (jax.tree_util.tree_map(lambda _: False, grads) if self.frozen is None
+                else self.frozen)
+      grads = jax.tree_util.tree_map(reduce, grads, L.dims, frozen)
       loss, aux = jax.lax.pmean((loss, aux), zero.DATA)
       return unweighted(loss, aux, grads, accum, manual) if weighted else (loss, aux, grads)
 
