@@ -122,6 +122,18 @@ class DataConfig:
   # tfds: background threads reading and transforming batches; local_text and synthetic: any
   # N > 0 is one thread reading two batches ahead (0 = everything in the loop)
   workers: int = 2
+  # text (local_text, tfds): documents = each batch carries segment_ids (models/segments.py), so
+  # the documents in a window never see each other: each one's positions restart at 0, attention
+  # stays inside it, and no document's first token is predicted from the one before. The windows
+  # are the same as stream's (the split's documents, each ended by its end token, cut every
+  # seq_len + 1 tokens): a document that a window's end cuts goes on in the next window as a
+  # segment of its own, from position 0, seeing only its tokens there. stream = one sequence per
+  # window, attending across documents, positions running on (jaxpar before data.packing; its
+  # losses differ). Default documents: a folder's files and a dataset's records are unrelated
+  # texts, and nothing at inference time follows one with another. Its cost: one (B, T+1) int32
+  # leaf per batch, a mask on attention's scores, and on GPU no cuDNN fused attention (XLA's or
+  # the blockwise form runs instead). synthetic data has no documents: the two are the same
+  packing: str = "documents"  # documents | stream
 
 
 @dataclass(frozen=True)
@@ -244,6 +256,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 _CHOICES = {
     "data.source": ("local_text", "jsonl", "images", "tfds", "synthetic"),
     "data.long_records": ("refuse", "split"),
+    "data.packing": ("documents", "stream"),
     "parallel.schedule": ("gpipe", "circular", "1f1b"),
     "parallel.remat": ("none", "full", "dots_saveable", "offload"),
     "parallel.context_attention": ("auto", "ring", "allgather"),

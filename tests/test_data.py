@@ -363,3 +363,28 @@ def test_local_text_with_a_tokenizers_file(text_dir, tmp_path):
                 str(tmp_path))
   with pytest.raises(ConfigError, match="does not exist"):
     make_loader(config.load(None, base + ["data.tokenizer=/no/such.json"]), str(tmp_path))
+
+
+def test_local_text_batches_carry_each_tokens_document(text_dir, tmp_path):
+  """data.packing=documents (the default): beside the stream's windows, segment_ids that start at
+  1 in each window and go up by one after each document's end token, so a document a window's
+  end cuts is its next window's segment 1; stream: the same windows alone. batch_spec agrees."""
+  from jaxpar import config
+  from jaxpar.data import batch_spec, make_loader
+  from jaxpar.data.tokens import SEPARATOR
+  base = ["data.source=local_text", f"data.path={text_dir}", "data.max_bytes=0",
+          "model.seq_len=15", "train.batch_size=4", "data.workers=0"]
+  cfg = config.load(None, base)
+  it = make_loader(cfg, str(tmp_path))
+  leaf = ((4, 16), np.dtype(np.int32))
+  assert it.element_spec == batch_spec(cfg) == {"tokens": leaf, "segment_ids": leaf}
+  batches = _take(it, it.steps_per_epoch)
+  tokens = np.concatenate([b["tokens"] for b in batches])
+  seg = np.concatenate([b["segment_ids"] for b in batches])
+  assert seg.dtype == np.int32 and (seg[:, 0] == 1).all()
+  np.testing.assert_array_equal(np.diff(seg, axis=1), tokens[:, :-1] == SEPARATOR)
+  assert (seg[:, -1] > 1).any() and (seg[:, -1] == 1).any()  # windows with several and one
+  stream = config.load(None, base + ["data.packing=stream"])
+  it = make_loader(stream, str(tmp_path))
+  assert it.element_spec == batch_spec(stream) == {"tokens": leaf}
+  np.testing.assert_array_equal(it.next()["tokens"], batches[0]["tokens"])

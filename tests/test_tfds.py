@@ -14,6 +14,7 @@ from conftest import child_env
 from jaxpar import config as jconfig
 from jaxpar.config import ConfigError
 from jaxpar.data import make_loader, pack, tfds_source
+from jaxpar.data.tokens import SEPARATOR
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY_GPT = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.d_ff=64",
@@ -253,7 +254,17 @@ def test_text_is_packed_bytes_of_every_document(mock40):
                         "train.batch_size=4"), "")
   batch = it.next()
   assert batch["tokens"].shape == (4, 16) and batch["tokens"].dtype == np.int32
-  assert it.element_spec == {"tokens": ((4, 16), np.dtype(np.int32))}
+  leaf = ((4, 16), np.dtype(np.int32))
+  assert it.element_spec == {"tokens": leaf, "segment_ids": leaf}  # data.packing=documents
+  tokens, seg = batch["tokens"], batch["segment_ids"]
+  # 1 from each window's first token, one more after each document's end token
+  assert (seg[:, 0] == 1).all() and seg.dtype == np.int32
+  np.testing.assert_array_equal(np.diff(seg, axis=1), tokens[:, :-1] == SEPARATOR)
+  it.close()
+  it = make_loader(_cfg("data.source=tfds", "data.name=lm1b", "model.seq_len=15",
+                        "train.batch_size=4", "data.packing=stream"), "")
+  assert it.element_spec == {"tokens": leaf}
+  np.testing.assert_array_equal(it.next()["tokens"], tokens)  # the same windows
   it.close()
 
 

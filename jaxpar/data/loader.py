@@ -16,8 +16,8 @@ import numpy as np
 
 from jaxpar.config import ConfigError
 from jaxpar.data.tokens import SEPARATOR, VOCAB_SIZE, tokenize
-from jaxpar.data.windows import (TokenWindows, check_position, end_of_text_id, load_tokenizer,
-                                  shuffled)
+from jaxpar.data.windows import (DocumentWindows, TokenWindows, check_position, end_of_text_id,
+                                  load_tokenizer, shuffled)
 
 SYNTHETIC_WINDOWS = 4096
 
@@ -230,12 +230,13 @@ class BatchIterator:
 
 def make_batches(data_cfg, seq_len: int, global_batch: int, seed: int, workdir: str,
                  process_index: int = 0, process_count: int = 1, split: str = "train",
-                 prefetch: int = 2, tokenizer=None) -> BatchIterator:
+                 prefetch: int = 2, tokenizer=None, documents: bool = False) -> BatchIterator:
   """Iterator over data_cfg.source: batches [global_batch // process_count, seq_len + 1] int32
   (jsonl: dicts of them, jsonl.PackedRecords' rows).
 
   local_text's documents are bytes, or the ids of `tokenizer` (a `tokenizers.Tokenizer`), each
-  ended by its end-of-text id."""
+  ended by its end-of-text id; with `documents` (make_loader's under data.packing=documents) a
+  batch is {'tokens', 'segment_ids'} (windows.DocumentWindows)."""
   if data_cfg.source == "synthetic":
     # at least one global batch (more windows than the default only when the batch needs them)
     windows = synthetic_windows(seq_len, seed + zlib.crc32(split.encode()),
@@ -248,6 +249,8 @@ def make_batches(data_cfg, seq_len: int, global_batch: int, seed: int, workdir: 
     source = local_text.data_source(builder, split)
     windows = (TokenWindows(source, "text", seq_len, end_of_text_id(tokenizer), tokenizer)
                if tokenizer is not None else TokenWindows(source, "text", seq_len, SEPARATOR))
+    if documents:  # which document each token is of, beside the tokens (models/segments.py)
+      windows = DocumentWindows(windows)
     what = f"local_text split {split!r} ({builder.builder_config.description})"
   elif data_cfg.source == "jsonl":
     from jaxpar.data import jsonl  # reads JSON Lines; transformers or jinja2 for chat templates
@@ -348,7 +351,7 @@ def make_loader(cfg, workdir: str, process_index: int = 0, process_count: int = 
     it = make_batches(cfg.data, cfg.model.seq_len, cfg.train.batch_size, cfg.train.seed, workdir,
                       process_index, process_count, split=split,
                       prefetch=2 if cfg.data.workers else 0,  # one thread, two batches ahead
-                      tokenizer=tokenizer)
+                      tokenizer=tokenizer, documents=cfg.data.packing == "documents")
   except ValueError as e:
     raise ConfigError(str(e).rstrip(".")) from None
   return TokenBatches(it)
@@ -406,4 +409,6 @@ def batch_spec(cfg) -> dict:
   if cfg.data.source == "jsonl":  # packed records: which record each token is of, and answers
     return {"tokens": (shape, np.dtype(np.int32)), "segment_ids": (shape, np.dtype(np.int32)),
             "loss_mask": (shape, np.dtype(np.float32))}
+  if cfg.data.source in ("local_text", "tfds") and cfg.data.packing == "documents":
+    return {"tokens": (shape, np.dtype(np.int32)), "segment_ids": (shape, np.dtype(np.int32))}
   return {"tokens": (shape, np.dtype(np.int32))}

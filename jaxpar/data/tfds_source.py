@@ -10,7 +10,8 @@ in grain's background threads (`data.workers`), one batch per task, so normalisi
 run vectorised over the batch.
 
 Text datasets (a `Text` feature, preferably 'text') become byte tokens (or a tokenizer's ids):
-every document followed by an end token, cut into `seq_len + 1` windows. Window boundaries depend
+every document followed by an end token, cut into `seq_len + 1` windows, with each token's
+document as `segment_ids` under data.packing=documents (the default). Window boundaries depend
 on all earlier documents, so every host first counts the tokens of every document (one streamed
 pass over the split; see `windows.TokenWindows`); it then reads only the documents its part of a
 batch overlaps, a batch at a time. Host memory is the count index (8 bytes a document), this
@@ -35,8 +36,8 @@ import tensorflow_datasets as tfds
 
 from jaxpar.config import ConfigError
 from jaxpar.data.tokens import SEPARATOR, VOCAB_SIZE
-from jaxpar.data.windows import (TokenWindows, check_position, end_of_text_id, load_tokenizer,
-                                  shuffled)
+from jaxpar.data.windows import (DocumentWindows, TokenWindows, check_position, end_of_text_id,
+                                  load_tokenizer, shuffled)
 from jaxpar.logs import quiet_absl
 
 CACHE_BYTES = 1 << 30  # a host keeps its image shard in memory up to this many decoded bytes
@@ -324,10 +325,14 @@ def _text_batches(ds: Dataset, source, cfg, global_batch: int, shard, workers: i
   # One order of all windows, the same on every process: each takes its part of every global
   # batch, so the batches (and the losses) do not depend on how many processes read them.
   local = global_batch // shard.shard_count
-  return Batches(lambda keys: {"tokens": windows[keys].astype(np.int32)}, len(windows),
-                 len(windows) // shard.shard_count, local, cfg.train.seed,
-                 {"tokens": ((local, seq + 1), np.dtype(np.int32))},
-                 f"{what} ({len(windows)} windows of {seq + 1} tokens)", workers=workers,
+  if cfg.data.packing == "documents":  # which document each token is of (models/segments.py)
+    documents = DocumentWindows(windows)
+    read, spec = documents.__getitem__, documents.element_spec(local)
+  else:
+    read = lambda keys: {"tokens": windows[keys].astype(np.int32)}
+    spec = {"tokens": ((local, seq + 1), np.dtype(np.int32))}
+  return Batches(read, len(windows), len(windows) // shard.shard_count, local, cfg.train.seed,
+                 spec, f"{what} ({len(windows)} windows of {seq + 1} tokens)", workers=workers,
                  shard_index=shard.shard_index, shard_count=shard.shard_count, shared=True,
                  records=len(windows))
 

@@ -140,6 +140,45 @@ class TokenWindows:
         d += 1
     return out
 
+  def segment_ids(self, index) -> np.ndarray:
+    """The documents of rows `index` (a 1-D int array) as segment ids [len(rows), seq_len + 1]
+    int32 (models/segments.py): 1 from each row's first token, one more at each document's first
+    token (a document's end token is its last). A document cut by a window's end goes on in the
+    next window as its segment 1. From the token counts alone: nothing is read."""
+    rows = np.asarray(index, np.int64).reshape(-1)
+    rows = np.where(rows < 0, rows + self.n, rows)
+    offsets = rows[:, None] * self.width + np.arange(self.width)  # stream offsets
+    doc = np.searchsorted(self._starts, offsets, "right") - 1
+    return (doc - doc[:, :1] + 1).astype(np.int32)
+
+
+class DocumentWindows:
+  """A TokenWindows' rows with their documents (data.packing=documents): indexing by a 1-D int
+  array gives {'tokens', 'segment_ids'}, each [len(rows), seq_len + 1] int32 (models/segments.py),
+  the windows themselves those of the TokenWindows."""
+
+  def __init__(self, windows: TokenWindows):
+    self.windows = windows
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    return self.windows.shape
+
+  @property
+  def ndim(self) -> int:
+    return 2
+
+  def __len__(self) -> int:
+    return len(self.windows)
+
+  def element_spec(self, rows: int) -> dict:
+    leaf = ((rows, self.windows.width), np.dtype(np.int32))
+    return {"tokens": leaf, "segment_ids": leaf}
+
+  def __getitem__(self, index) -> dict:
+    return {"tokens": self.windows[index].astype(np.int32),
+            "segment_ids": self.windows.segment_ids(index)}
+
 
 def check_position(state: dict, steps_per_epoch: int) -> tuple[int, int]:
   """(epoch, position) of a checkpoint's data state; ConfigError if this data cannot have it."""
