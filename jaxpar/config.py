@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -39,7 +40,7 @@ class ModelConfig:
   # n_heads x head_dim wide whatever d_model is (Qwen3's decoupled head_dim, e.g. 128 at d_model
   # 1024 with 16 heads)
   head_dim: int = 0
-  d_ff: int = 512  # hidden units of each block's MLP; divisible by the model axis
+  d_ff: int = 512  # hidden units of each block's MLP; divisible by the model axis; at most 2**20
   vocab_size: int = 256  # byte-level tokens
   # gpt, llama: the embedding and the LM head hold vocab_size rounded up to a multiple of this
   # (Megatron's make_vocab_size_divisible_by), so the vocabulary splits over any model degree
@@ -71,12 +72,12 @@ class ModelConfig:
   # capacity_factor: 0 = dropless; > 0 = each expert takes at most ceil(factor x tokens x k / E)
   # of a device's tokens, the rest pass by on the residual. moe_every=k: layer i (from 0) is a
   # mixture iff (i + 1) % k == 0 (Hugging Face's decoder_sparse_step), the others dense MLPs of
-  # width d_ff; n_layers must be divisible by k.
+  # width d_ff; n_layers must be divisible by k. At most 4096 experts.
   n_experts: int = 0
   experts_per_token: int = 2  # k: the experts the router sends each token to
   moe_every: int = 1  # every how many layers is a mixture (1: every layer)
   shared_experts: int = 0  # always-on experts added to every token
-  moe_d_ff: int = 0  # each expert's hidden units; 0 = d_ff
+  moe_d_ff: int = 0  # each expert's hidden units, at most 2**20; 0 = d_ff
   router_softmax: str = "after_topk"  # after_topk | before_topk (see n_experts)
   capacity_factor: float = 0.0  # 0 = dropless; else each expert's share of a device's tokens
   shared_expert_gate: bool = False  # sigmoid(x . w) scales the shared experts (Qwen2-MoE)
@@ -111,7 +112,9 @@ class DataConfig:
   # jsonl: a folder of <split>.jsonl files of prompt/completion or messages records
   # (docs/fine-tune-data.md)
   path: str = ""
-  image_size: str = ""  # images: resize every image to HxW (or SIDE) pixels; "" = as they are
+  # images: resize every image to HxW (or SIDE) pixels, H x W at most 2**26 (8192x8192); "" = as
+  # they are (each of at most 2**26 pixels: a larger one is refused before it is decoded)
+  image_size: str = ""
   max_bytes: int = 8_000_000  # local_text: cap on bytes read from the folder (0 = no cap)
   eval_split: str = "validation"  # split evaluated every train.eval_every steps
   augment: bool = False  # images: random flips and 4-pixel crops of training batches
@@ -119,6 +122,10 @@ class DataConfig:
   # jsonl: a record longer than a window (model.seq_len + 1 tokens) is refused (refuse) or cut
   # into window-long pieces, each packed as a record of its own (split)
   long_records: str = "refuse"
+  # local_text, images: seconds a run waits for another process building the same dataset under
+  # data.data_dir (it says which pid and host hold the build while it waits) before it gives up;
+  # a builder stopped on this host (SIGSTOP) is given up on at once
+  lock_timeout: float = 3600.0
   # tfds: background threads reading and transforming batches; local_text and synthetic: any
   # N > 0 is one thread reading two batches ahead (0 = everything in the loop)
   workers: int = 2
@@ -270,7 +277,15 @@ _POSITIVE = ("model.n_layers", "model.d_model", "model.n_heads", "model.d_ff", "
              "parallel.virtual_stages", "checkpoint.keep", "precision.initial_scale",
              "precision.growth_interval", "precision.min_scale", "model.norm_eps", "model.rope_theta",
              "train.spike_steps", "train.spike_window", "model.experts_per_token",
-             "model.moe_every", "model.vocab_multiple")
+             "model.moe_every", "model.vocab_multiple", "data.lock_timeout")
+# Upper bounds, checked before anything is allocated: a typo such as moe_d_ff=100000000000 is one
+# sentence, not an allocation that fails (or swaps) minutes later. Far above any published
+# model's (DeepSeek-V3: 256 experts of 2,048; Llama 3 405B: d_ff 53,248).
+_AT_MOST = {"model.d_ff": 2**20, "model.moe_d_ff": 2**20, "model.n_experts": 4096}
+# The most pixels (height x width) of one image jaxpar reads or resizes to (8192 x 8192): a larger
+# image is refused before it is decoded (a PNG of 20000 x 20000 zeros is 400 MB decoded from a few
+# hundred KB on disk: a decompression bomb).
+MAX_IMAGE_PIXELS = 2**26
 _BELOW_ONE = ("train.b1", "train.b2", "model.dropout")  # in [0, 1): Adam's betas, dropout
 _FRACTION = ("train.min_lr_ratio",)  # in [0, 1]: the final learning rate, a fraction of the peak
 _NON_NEGATIVE = ("model.n_kv_heads", "model.head_dim", "model.max_positions", "parallel.microbatches", "train.warmup_steps", "train.weight_decay", "train.clip_norm",
@@ -362,6 +377,12 @@ def validate(cfg: Config) -> Config:
   for key in _NON_NEGATIVE:
     if get(cfg, key) < 0:
       raise ConfigError(f"config key {key}={get(cfg, key)} must not be negative")
+  for key, most in _AT_MOST.items():
+    if get(cfg, key) > most:
+      raise ConfigError(f"config key {key}={get(cfg, key)} is above {most:,}, the most jaxpar "
+                        f"builds")
+  if cfg.data.image_size:
+    parse_image_size(cfg.data.image_size, "data.image_size=")
   for key in _BELOW_ONE + _FRACTION:
     value = get(cfg, key)
     if not (0 <= value < 1 or (key in _FRACTION and value == 1)):
@@ -382,6 +403,18 @@ def validate(cfg: Config) -> Config:
   if cfg.data.source == "tfds" and not cfg.data.name:
     raise ConfigError("data.source=tfds needs data.name (a TFDS dataset name, e.g. lm1b)")
   return cfg
+
+
+def parse_image_size(text: str, what: str = "--size ") -> tuple[int, int]:
+  """'32' or '32x48' -> (height, width), at most MAX_IMAGE_PIXELS; `what` names the setting."""
+  m = re.fullmatch(r"(\d+)(?:x(\d+))?", text.strip())
+  if not m or int(m.group(1)) < 1 or (m.group(2) and int(m.group(2)) < 1):
+    raise ConfigError(f"{what}{text} is not HEIGHTxWIDTH or SIDE in pixels (e.g. 32x32 or 32)")
+  h, w = int(m.group(1)), int(m.group(2) or m.group(1))
+  if h * w > MAX_IMAGE_PIXELS:
+    raise ConfigError(f"{what}{text} is {h * w:,} pixels an image, more than the "
+                      f"{MAX_IMAGE_PIXELS:,} (8192x8192) jaxpar resizes to")
+  return h, w
 
 
 _MOE_KEYS = ("experts_per_token", "moe_every", "shared_experts", "moe_d_ff", "router_softmax",

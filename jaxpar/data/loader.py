@@ -245,7 +245,8 @@ def make_batches(data_cfg, seq_len: int, global_batch: int, seed: int, workdir: 
   elif data_cfg.source == "local_text":
     from jaxpar.data import local_text  # imports TFDS, which synthetic data does not need
     data_dir = data_cfg.data_dir or os.path.join(workdir, "data")
-    builder = local_text.prepare(data_dir, data_cfg.path, data_cfg.max_bytes)
+    builder = local_text.prepare(data_dir, data_cfg.path, data_cfg.max_bytes,
+                                 data_cfg.lock_timeout)
     source = local_text.data_source(builder, split)
     windows = (TokenWindows(source, "text", seq_len, end_of_text_id(tokenizer), tokenizer)
                if tokenizer is not None else TokenWindows(source, "text", seq_len, SEPARATOR))
@@ -371,7 +372,7 @@ def images_as_tfds(cfg, workdir: str):
     raise ConfigError(f"data.path={data.path} has {len(classes)} classes, more than "
                       f"model.num_classes={cfg.model.num_classes} (left unset, it follows the "
                       f"classes)")
-  name, built = local_images.prepare(data.path, data_dir, size)
+  name, built = local_images.prepare(data.path, data_dir, size, lock_timeout=data.lock_timeout)
   if built:  # a dataset of that name read before in this process is gone
     tfds_source.open_dataset.cache_clear()
   data = dataclasses.replace(data, source="tfds", name=f"local_images/{name}", data_dir=data_dir)

@@ -11,6 +11,7 @@ import time
 
 import tensorflow_datasets as tfds
 
+from jaxpar.config import DataConfig
 from jaxpar.data import stamps
 from jaxpar.logs import quiet_absl
 
@@ -86,11 +87,12 @@ class LocalTextConfig(tfds.core.BuilderConfig):
     self.only_py = not path
     self.root = os.path.realpath(path or default_path())
     self.max_bytes = int(max_bytes)
-    key = f"{int(self.only_py)}\0{self.root}\0{self.max_bytes}".encode()
+    key = os.fsencode(f"{int(self.only_py)}\0{self.root}\0{self.max_bytes}")
     digest = hashlib.sha256(key).hexdigest()[:12]
     super().__init__(
         name=f"{'stdlib' if self.only_py else 'dir'}_{digest}",
-        description=f"{'*.py files' if self.only_py else 'text files'} under {self.root}, "
+        description=f"{'*.py files' if self.only_py else 'text files'} under "
+                    f"{stamps.shown(self.root)}, "
                     f"max_bytes={self.max_bytes or 'unlimited'}")
 
 
@@ -148,7 +150,8 @@ class LocalText(tfds.core.GeneratorBasedBuilder):
     root = self.builder_config.root
     for rel, n in files:
       data = _read_text(os.path.join(root, rel)) or b""
-      yield rel, {"text": _truncate(data, n) if n < len(data) else data}
+      # the key as bytes: a name need not be UTF-8 (the same hash as the str of one that is)
+      yield os.fsencode(rel), {"text": _truncate(data, n) if n < len(data) else data}
 
 
 def fingerprint(cfg: LocalTextConfig) -> str:
@@ -157,18 +160,20 @@ def fingerprint(cfg: LocalTextConfig) -> str:
   return stamps.fingerprint(header, cfg.root, _candidates(cfg.root, cfg.only_py))
 
 
-def prepare(data_dir: str, path: str = "", max_bytes: int = DEFAULT_MAX_BYTES) -> LocalText:
+def prepare(data_dir: str, path: str = "", max_bytes: int = DEFAULT_MAX_BYTES,
+            lock_timeout: float = DataConfig.lock_timeout) -> LocalText:
   """The builder for (path, max_bytes) under data_dir: built on first use, reused while the
   folder's files are unchanged (`fingerprint`), rebuilt when they change.
 
   Processes sharing data_dir take turns under a file lock: the first builds, the others find
-  it built. A build happens in a temporary folder renamed into place with its stamp inside, so
-  a stopped build leaves nothing half-written. A folder that is gone leaves its last build in
+  it built (waiting at most `lock_timeout` seconds, `stamps.locked`). A build happens in a
+  temporary folder renamed into place with its stamp inside, so a stopped build, or one that
+  fills the disk (one RunError sentence), leaves nothing half-written. A folder that is gone leaves its last build in
   use. TFDS's warnings are held back; a build reports itself in one line on stderr.
   """
   cfg = LocalTextConfig(path=path, max_bytes=max_bytes)
   final = os.path.join(data_dir, "local_text", cfg.name)
-  with stamps.locked(os.path.dirname(final), cfg.name):
+  with stamps.locked(os.path.dirname(final), cfg.name, lock_timeout):
     with quiet_absl():
       builder = LocalText(config=cfg, data_dir=data_dir)
       have = builder.is_prepared()
@@ -183,10 +188,10 @@ def prepare(data_dir: str, path: str = "", max_bytes: int = DEFAULT_MAX_BYTES) -
     t0 = time.perf_counter()
     tmp = tempfile.mkdtemp(prefix=f".local_text-{cfg.name}-", dir=data_dir)
     try:
-      with quiet_absl():
+      with stamps.building(f"local_text/{cfg.name}", data_dir), quiet_absl():
         tfds.disable_progress_bar()  # a build of a few seconds; its bars would bury the run's own
         LocalText(config=cfg, data_dir=tmp).download_and_prepare(file_format="array_record")
-      stamps.write(os.path.join(tmp, "local_text", cfg.name), stamp)
+        stamps.write(os.path.join(tmp, "local_text", cfg.name), stamp)
       if os.path.exists(final):  # the old build goes only once the new one is complete
         shutil.rmtree(final)
       os.replace(os.path.join(tmp, "local_text", cfg.name), final)

@@ -8,11 +8,17 @@ A name holds {i} for the layer and, for an expert's weight, {e} for the expert: 
 layers on axis 0 and experts on axis 1, (L, E, ...); with a mixture in every k-th layer
 (decoder_sparse_step) the mixtures' and the dense MLPs' weights stack only their own layers
 (`layers_of`).
+
+Nothing is left out or changed silently: a tensor of the folder that the model does not read
+(`check`: a config.json of fewer layers than the checkpoint, biases the config does not have) or
+one that is not floating point refuses the folder in one sentence naming the file and tensor, as
+do an index naming a missing shard and a safetensors file that cannot be read.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Callable
 
 import jax
@@ -139,30 +145,111 @@ def names(mc, moe_layout=QWEN_MOE) -> dict[str, tuple[str, Callable]]:
   return _gpt2_names(mc) if mc.kind == "gpt" else _llama_names(mc, moe_layout)
 
 
+# safetensors' names of the dtypes jaxpar casts to the parameter dtype. An integer tensor holds
+# indices or quantized values, a float8 one needs its scales: neither is the weight it would be
+# cast as.
+FLOATING = ("F16", "BF16", "F32", "F64")
+# Tensors a folder may hold that are not parameters: GPT-2's causal-mask buffers and an older
+# Llama's rotary table, which transformers also skips.
+_BUFFERS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
+
+
+def _header(path: str) -> dict[str, str]:
+  """{tensor: safetensors dtype} of one file, from its header; ConfigError naming the file when it
+  cannot be read (missing, cut short, a garbled or oversized header)."""
+  from safetensors import SafetensorError, safe_open  # the optional dependency of model folders
+  try:
+    with safe_open(path, framework="numpy") as f:
+      return {name: f.get_slice(name).get_dtype() for name in f.keys()}
+  except (SafetensorError, OSError) as e:
+    raise ConfigError(f"{path} is not a readable safetensors file ({e})") from None
+
+
 class Folder:
-  """The tensors of a model folder's safetensors files, opened lazily and read one at a time."""
+  """The tensors of a model folder's safetensors files, their headers read at once (a shard the
+  index names that is missing or unreadable, or that lacks a tensor the index puts in it, is a
+  ConfigError sentence) and their tensors one at a time."""
 
   def __init__(self, folder: str):
     self.folder = folder
     index = os.path.join(folder, "model.safetensors.index.json")
     single = os.path.join(folder, "model.safetensors")
     if os.path.exists(index):
-      self.files = {name: os.path.join(folder, f) for name, f in _read_json(index)["weight_map"].items()}
+      weight_map = _read_json(index).get("weight_map")
+      if not isinstance(weight_map, dict) or not all(isinstance(f, str)
+                                                     for f in weight_map.values()):
+        raise ConfigError(f"{index} has no weight_map of tensor names to shard files")
+      self.files = {name: os.path.join(folder, f) for name, f in weight_map.items()}
+      for name, path in sorted(self.files.items()):
+        if not os.path.isfile(path):
+          raise ConfigError(f"{index} puts tensor {name} in {path}, which does not exist")
     elif os.path.exists(single):
-      from safetensors import safe_open  # the optional dependency only a model folder needs
-      with safe_open(single, framework="numpy") as f:
-        self.files = {name: single for name in f.keys()}
+      self.files = dict.fromkeys(_header(single), single)
     else:
       raise ConfigError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
+    headers = {path: _header(path) for path in sorted(set(self.files.values()))}
+    for name, path in sorted(self.files.items()):
+      if name not in headers[path]:
+        raise ConfigError(f"{index} puts tensor {name} in {path}, which does not hold it")
+    self.dtypes = {name: headers[path][name] for name, path in self.files.items()}
+
+  def key(self, name: str) -> str | None:
+    """The folder's name for tensor `name` (GPT-2's with or without `transformer.`); None."""
+    for key in (name, name.removeprefix("transformer.")):
+      if key in self.files:
+        return key
+    return None
 
   def read(self, name: str) -> np.ndarray:
-    """One tensor; GPT-2 names are found with or without their `transformer.` prefix."""
-    from safetensors import safe_open  # the optional dependency only a model folder needs
-    key = name if name in self.files else name.removeprefix("transformer.")
-    if key not in self.files:
+    """One tensor of a floating dtype (FLOATING); GPT-2 names are found with or without their
+    `transformer.` prefix."""
+    from safetensors import SafetensorError, safe_open  # the optional dependency (see _header)
+    key = self.key(name)
+    if key is None:
       raise ConfigError(f"{self.folder} has no tensor {name}")
-    with safe_open(self.files[key], framework="numpy") as f:
-      return f.get_tensor(key)
+    path = self.files[key]
+    if self.dtypes[key] not in FLOATING:
+      raise ConfigError(f"{path}: tensor {key} is {self.dtypes[key]}, not floating point "
+                        f"({', '.join(FLOATING)}): jaxpar does not cast integer or quantized "
+                        f"tensors to weights")
+    try:
+      with safe_open(path, framework="numpy") as f:
+        return f.get_tensor(key)
+    except (SafetensorError, OSError) as e:
+      raise ConfigError(f"{path}: tensor {key} cannot be read ({e})") from None
+
+
+def wanted(mc, layout=QWEN_MOE) -> set[str]:
+  """Every Hugging Face tensor name the model `mc` reads (`names` with each layer and expert)."""
+  out = set()
+  for path, (hf_name, _) in names(mc, layout).items():
+    rows = layers_of(mc, path) if "{i}" in hf_name else [0]
+    experts = range(mc.n_experts) if "{e}" in hf_name else [0]
+    out.update(hf_name.format(i=i, e=e) for i in rows for e in experts)
+  return out
+
+
+def check(folder: str, mc) -> Folder:
+  """The folder, once its tensors are exactly those the model `mc` reads (less non-parameter
+  buffers, and lm_head.weight beside tied embeddings, which transformers skips too) and of
+  floating dtypes: otherwise a ConfigError naming the file and tensor. Reads headers only."""
+  src = Folder(folder)
+  want = wanted(mc, moe_layout(src))
+  for name in sorted(want):
+    if src.key(name) is None:
+      raise ConfigError(f"{folder} has no tensor {name}")
+  if mc.kind == "gpt":  # GPT-2 folders name their tensors with or without `transformer.`
+    want |= {name.removeprefix("transformer.") for name in want}
+  for name in sorted(src.files):
+    if name in want:
+      if src.dtypes[name] not in FLOATING:
+        src.read(name)  # its refusal
+    elif not (_BUFFERS.search(name) or (name == "lm_head.weight" and mc.tie_embeddings)):
+      raise ConfigError(f"{src.files[name]} holds tensor {name}, which the model of "
+                        f"{os.path.join(folder, 'config.json')} and the model.* settings has no "
+                        f"place for ({mc.n_layers} layers): jaxpar refuses to train on part of a "
+                        f"checkpoint")
+  return src
 
 
 def read_param(folder: Folder, path: str, mc, want: tuple[int, ...],
@@ -198,8 +285,9 @@ def moe_layout(folder: Folder) -> tuple:
 
 
 def load_params(folder: str, mc, abstract: Any, shardings: Any) -> Any:
-  """The folder's parameters as jaxpar's tree, each put onto its sharding as soon as it is read."""
-  src = Folder(folder)
+  """The folder's parameters as jaxpar's tree, each put onto its sharding as soon as it is read
+  (after `check`)."""
+  src = check(folder, mc)
   layout = moe_layout(src)
   table = names(mc, layout)
   have = {path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(abstract)}
