@@ -77,17 +77,24 @@ def trainer(cfg, shape):
   return Trainer(cfg, jmesh.make(shape, jax.devices()[:n]), jmodel.decoder(cfg), expose_grads=True)
 
 
-def run(cfg, shape, batch, doc_batches):
-  """(loss, loss_weight, first step's grads (the model's layer order), each document's loss)."""
+def run(cfg, shape, batch, doc_batches, by_rows=False):
+  """(loss, loss_weight, first step's grads (the model's layer order), each document's loss,
+  with `by_rows` the row-by-row evaluation's (loss, loss_weight) of the batch (eval_weighted,
+  what train.eval_steps=0 runs), else None)."""
   t = trainer(cfg, shape)
   state = t.init(cfg.train.seed)
   as_jax = lambda b: {k: jnp.asarray(v) for k, v in b.items()}
   evaluate = t.eval_jitted(jax.eval_shape(lambda: as_jax(doc_batches[0])))
   docs = [float(evaluate(state["params"], as_jax(b))["loss"]) for b in doc_batches]
+  rows = None
+  if by_rows:
+    weighted = t.eval_jitted(jax.eval_shape(lambda: as_jax(batch)), weighted=True)
+    m = weighted(state["params"], as_jax(batch), jnp.ones(len(batch["tokens"]), jnp.float32))
+    rows = float(m["loss"]), float(m["loss_weight"])
   _, m = t.step(state, as_jax(batch))
   back = None if t.layer_order is None else np.argsort(t.layer_order)
   grads = jax.device_get(t._reorder(m["grads"], back))
-  return float(m["loss"]), float(m["loss_weight"]), grads, np.array(docs)
+  return float(m["loss"]), float(m["loss_weight"]), grads, np.array(docs), rows
 
 
 _references = {}
@@ -135,15 +142,20 @@ def test_packed_rows_match_one_document_per_row(layout, monkeypatch):
   if "blockwise" in extra:
     monkeypatch.setattr(gpt, "BLOCKWISE_MIN_SEQ", 16)
     extra = [e for e in extra if e != "blockwise"]
-  want_loss, want_count, want_grads, want_docs = reference(kind, model_extra)
+  want_loss, want_count, want_grads, want_docs, _ = reference(kind, model_extra)
   batch, where = packed()
   masks = [(np.arange(len(ROWS))[:, None] == r) & (batch["segment_ids"] == d) for r, d in where]
   cfg = config.load(None, BASE + [f"model.kind={kind}", *model_extra, *extra])
-  loss, count, grads, docs = run(cfg, shape, batch, per_document(batch, masks))
+  # the pipeline's row-by-row eval: each row runs as all M microbatches, its count its own
+  by_rows = kind == "llama" and "parallel.schedule=1f1b" in extra
+  loss, count, grads, docs, rows = run(cfg, shape, batch, per_document(batch, masks), by_rows)
   assert count == want_count == sum(n - 1 for row in ROWS for n in row)
   np.testing.assert_allclose(docs, want_docs, rtol=RTOL)
   np.testing.assert_allclose(loss, want_loss, rtol=RTOL)
   assert_trees_close(grads, want_grads, "grads")
+  if by_rows:
+    assert rows[1] == count
+    np.testing.assert_allclose(rows[0], want_loss, rtol=RTOL)
 
 
 @pytest.mark.parametrize("blockwise", [False, True], ids=["matmuls", "blockwise"])
