@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import child_env
+from jax.sharding import PartitionSpec as P
 
 from test_equivalence import assert_trees_close, batches
 
@@ -401,9 +402,10 @@ def test_capacity_with_two_experts_a_device_matches_the_experts_whole_on_each():
   assert ref_metrics["moe_dropped"] > 0.01
 
 
-# the accelerators' path (jax.lax.ragged_dot, grouped.RAGGED_DOT_ON_CPU) through whole steps: the
-# experts split alone (two a device, so each matmul has groups to keep apart), and with tensor
-# parallelism inside each under ZeRO-3
+# the accelerators' path (jax.lax.ragged_dot, grouped.RAGGED_DOT_ON_CPU, and the ragged exchange,
+# expert.RAGGED_ON_CPU, its all-to-all emulated) through whole steps: the experts split alone (two
+# a device, so each matmul has groups to keep apart), and with tensor parallelism inside each
+# under ZeRO-3
 RAGGED_LAYOUTS = [("gpt", (4, 1, 1), 1), ("llama", (4, 2, 1), 3)]
 
 
@@ -412,7 +414,9 @@ RAGGED_LAYOUTS = [("gpt", (4, 1, 1), 1), ("llama", (4, 2, 1), 3)]
 def test_ragged_dot_path_matches_the_tiles_on_one_device(references, monkeypatch, kind, shape,
                                                          stage):
   data, (ref_losses, ref_metrics, ref_grads) = references(kind)  # tiles, one device
+  from jaxpar.parallel import expert
   monkeypatch.setattr(grouped, "RAGGED_DOT_ON_CPU", True)
+  monkeypatch.setattr(expert, "RAGGED_ON_CPU", True)
   monkeypatch.setattr(grouped, "_tiled", None)  # the tiles would fail: the path is ragged_dot's
   cfg = make_cfg(f"model.kind={kind}", f"parallel.zero_stage={stage}")
   losses, metrics, grads = train(cfg, shape, data)
@@ -441,6 +445,59 @@ def test_expert_split_exchanges_by_all_to_all_and_never_gathers_the_experts(stag
   assert not set(gathered) & expert_shapes(cfg, 4, 2), gathered
   if stage == 3:  # the other weights are gathered, so the parse sees all-gathers at all
     assert gathered
+  # each routed row crosses once: the 2 devices of `model` send half of its D values each
+  # (test_all_to_all_bytes_per_moe_layer_follow_the_buffer_formula's floor)
+  per_layer = hlo.collective_bytes_in_loops(text)["all-to-all"] / cfg.model.n_layers
+  assert per_layer == pytest.approx(exchange_floor(cfg, shape), rel=0.10)
+
+
+# -- the ragged exchange (GPUs and TPUs) against the padded one ------------------------------------
+
+def exchange_result(shape, ragged, monkeypatch, capacity):
+  """expert.run_owned's rows back and the gradients of sum(out x c) for the rows and the experts'
+  weights, the experts split over `data` (and their width over `model`): 16 rows a device of
+  width 8, 8 experts (random group sizes; with a capacity C = 3 rows an expert, some dropped),
+  each row times its expert's matrix (grouped.matmul)."""
+  from jaxpar.parallel import expert
+  monkeypatch.setattr(expert, "RAGGED_ON_CPU", ragged)
+  d, E, A, D = shape[0], 8, 16, 8
+  rng = np.random.default_rng(0)
+  sizes = np.stack([rng.multinomial(A, np.ones(E) / E) for _ in range(d)])  # (d, E)
+  if capacity:
+    sizes = np.minimum(sizes, 3)
+  rows, w, c = (jnp.asarray(rng.normal(size=s), jnp.float32)
+                for s in ((d * A, D), (E, D, D), (d * A, D)))
+  S = min(A, 3 * E // d) if capacity else A
+  mesh = jmesh.make(shape, jax.devices()[:int(np.prod(shape))])
+
+  def local(rows, w, sizes, c):
+    out = expert.run_owned(rows, sizes.reshape(E), lambda x, g: grouped.matmul(x, w, g), S,
+                           "data")
+    return jax.lax.psum(jnp.sum(out * c), "data"), out
+  f = jax.shard_map(local, mesh=mesh, in_specs=(P("data"),) * 4, out_specs=(P(), P("data")),
+                    axis_names={"data"})
+  with jax.set_mesh(mesh):
+    (_, out), grads = jax.jit(jax.value_and_grad(f, (0, 1), has_aux=True))(
+        rows, w, jnp.asarray(sizes, jnp.int32), c)
+  return np.asarray(out), [np.asarray(g) for g in grads], sizes
+
+
+@pytest.mark.parametrize("shape,capacity", [((4, 2, 1), False), ((4, 1, 1), True)],
+                         ids=["dropless-4x2x1", "capacity-4x1x1"])
+def test_ragged_exchange_equals_the_padded_one_bit_for_bit(monkeypatch, shape, capacity):
+  """The accelerators' exchange (expert.ragged_args' offsets and sizes into
+  jax.lax.ragged_all_to_all, emulated on the CPU by a padded all-to-all) gives the padded path's
+  rows back and gradients bit for bit: dropless with the width split over `model`, and with a
+  capacity whose dropped rows come back zero."""
+  out, grads, sizes = exchange_result(shape, True, monkeypatch, capacity)
+  want, want_grads, _ = exchange_result(shape, False, monkeypatch, capacity)
+  np.testing.assert_array_equal(out, want)
+  for g, wg in zip(grads, want_grads):
+    np.testing.assert_array_equal(g, wg)
+  kept = sizes.sum(1)  # each device's rows past its groups' sum come back zero
+  for j, n in enumerate(kept):
+    assert not out[j * 16 + n:(j + 1) * 16].any() and out[j * 16:j * 16 + n].all()
+  assert capacity == (kept < 16).any()
 
 
 # -- under a pipeline -----------------------------------------------------------------------------
@@ -540,28 +597,39 @@ def test_resume_onto_another_expert_split_continues_with_the_same_losses(tmp_pat
 
 # -- the exchange's bytes from the compiled program -----------------------------------------------
 
-@pytest.mark.parametrize("factor,remat", [(0.0, "none"), (1.0, "none"), (0.0, "dots_saveable"),
-                                          (0.0, "offload")],
-                         ids=["dropless", "capacity-1", "dropless-remat_dots_saveable",
-                              "dropless-remat_offload"])
-def test_all_to_all_bytes_per_moe_layer_follow_the_buffer_formula(factor, remat):
-  """Per device, per MoE layer and step, the all-to-alls' results (hlo.collective_bytes' unit)
-  are 4 buffers of d x S rows of D float32 values (the rows out and back, in the forward and in
-  the backward: the block's checkpoint keeps moe.SAVED, so the backward runs no exchange again)
-  and twice the d x El group sizes (int32, recomputed in the backward). S = A, all of a device's
-  A = tokens x k routed rows, when dropless (no expert can overflow; XLA:CPU has no ragged
-  all-to-all, so the buffers hold d times the routed rows), and S = min(A, ceil(f A / E) x E/d)
-  with capacity factor f (f times the routed rows). parallel.remat=dots_saveable and offload keep
-  moe.SAVED too (stack.remat_policy), so they run no exchange again either (6 buffers without)."""
+def exchange_floor(cfg, shape):
+  """All-to-all bytes per device and MoE layer of a step, each routed row sent once per
+  direction: 4 buffers (the rows out and back, in the forward and in the backward) of d x S rows
+  of D float32 values, of which each of the m devices of `model` sends D / m, and twice the
+  d x El group sizes (int32). S = A, all of a device's A = tokens x k routed rows, dropless, and
+  S = min(A, ceil(f A / E) x E/d) with capacity factor f."""
+  d, m = shape[0], shape[1]
+  mc = cfg.model
+  D, E, k, f = mc.d_model, mc.n_experts, mc.experts_per_token, mc.capacity_factor
+  A = cfg.train.batch_size // d * mc.seq_len * k
+  S = A if not f else min(A, math.ceil(f * A / E) * (E // d))
+  return 4 * d * S * D * 4 / m + 2 * d * (E // d) * 4
+
+
+@pytest.mark.parametrize("shape,factor,remat", [
+    ((8, 1, 1), 0.0, "none"), ((8, 1, 1), 1.0, "none"), ((8, 1, 1), 0.0, "dots_saveable"),
+    ((8, 1, 1), 0.0, "offload"), ((2, 4, 1), 0.0, "none")],
+    ids=["dropless", "capacity-1", "dropless-remat_dots_saveable", "dropless-remat_offload",
+         "dropless-2x4x1"])
+def test_all_to_all_bytes_per_moe_layer_follow_the_buffer_formula(shape, factor, remat):
+  """Per device, per MoE layer and step, the all-to-alls in the layers' loop (hlo's result bytes)
+  are `exchange_floor`: the block's checkpoint keeps moe.SAVED, so the backward runs no exchange
+  again; dropless, a buffer holds all of a device's rows for each owner (XLA:CPU has no ragged
+  all-to-all, so the buffers hold d times the routed rows), with a capacity f times the routed
+  rows. parallel.remat=dots_saveable and offload keep moe.SAVED too (stack.remat_policy), so they
+  run no exchange again either (6 buffers without). With the experts' width split 4 ways over
+  `model` each device sends a quarter of every row (each sending whole rows is 4x the floor);
+  test_expert_split_exchanges_by_all_to_all_and_never_gathers_the_experts holds 4x2x1 to it."""
   cfg = make_cfg(f"model.capacity_factor={factor}", f"parallel.remat={remat}")
-  d, L, D, E, k = 8, cfg.model.n_layers, cfg.model.d_model, cfg.model.n_experts, 2
-  t = Trainer(cfg, jmesh.make((d, 1, 1)), jmodel.gpt(cfg))
+  t = Trainer(cfg, jmesh.make(shape), jmodel.gpt(cfg))
   text = t.lower({"tokens": jax.ShapeDtypeStruct((8, 17), jnp.int32)}).compile().as_text()
-  A = 8 // d * cfg.model.seq_len * k
-  S = A if not factor else min(A, math.ceil(factor * A / E) * (E // d))
-  formula = 4 * d * S * D * 4 + 2 * d * (E // d) * 4
-  moved = hlo.collective_bytes(text)["all-to-all"] / L
-  assert moved == pytest.approx(formula, rel=0.10), (moved, formula)
+  moved = hlo.collective_bytes_in_loops(text)["all-to-all"] / cfg.model.n_layers
+  assert moved == pytest.approx(exchange_floor(cfg, shape), rel=0.10), moved
 
 
 # -- memory from the compiled program --------------------------------------------------------------

@@ -115,7 +115,9 @@ def mlp(p: dict, h: jax.Array, cfg: ModelConfig, manual=frozenset()) -> tuple[ja
   B, T, D = h.shape
   N, E, k = B * T, cfg.n_experts, cfg.experts_per_token
   glu = "e_gate" in p
-  x = h.reshape(N, D)
+  # whole along D, so that where the exchange's backward brings the rows' cotangent split along
+  # D (expert.width_axis) it is gathered here, N rows rather than the buffers' rows
+  x = constrain(h.reshape(N, D), (None, "embed"), manual=manual)
   logits = x.astype(jnp.float32) @ p["router"].astype(jnp.float32)  # (N, E)
   weights, experts = route(logits, k, cfg.router_softmax)
   flat = experts.reshape(N * k)  # row a = token a // k's choice a % k
@@ -150,12 +152,15 @@ def mlp(p: dict, h: jax.Array, cfg: ModelConfig, manual=frozenset()) -> tuple[ja
     out = experts_fn(rows, group_sizes)
   else:  # a buffer per owner holds at most its experts' capacity, and at most every row
     capacity = min(A, C * (E // jax.lax.axis_size(axis)))
-    out = expert.run_owned(rows, group_sizes, experts_fn, capacity, axis)
+    out = expert.run_owned(rows, group_sizes, experts_fn, capacity, axis, manual)
   out = checkpoint_name(out, "moe_out")
   out = out[jnp.argsort(order)].reshape(N, k, D)  # back in token order
   if keep is not None:
     weights = jnp.where(keep.reshape(N, k), weights, 0.0)
   y = jnp.einsum("nkd,nk->nd", out, weights.astype(out.dtype)).reshape(B, T, D)
+  # the exchange may bring the rows back split along D (expert.width_axis): whole again here,
+  # N rows rather than N x k
+  y = constrain(y, ("batch", "seq", "embed"), manual=manual)
   if "s_down" in p or "s_w2" in p:
     s = _shared(p, h, glu, manual)  # (B, T, D), split along seq like h under sequence parallel
     if "shared_gate" in p:

@@ -214,8 +214,10 @@ def estimate(cfg: Config, lay: Layout, facts: ModelFacts, r: Rates,
     act = cfg.train.batch_size / d * mc.seq_len / c * mc.d_model * _compute_dtype_bytes(cfg)
     if mc.n_experts and d > 1:  # parallel/expert.py, per MoE layer: rows out and back in the fwd
       # and their transposes in the backward (a recomputed forward would add two); a buffer holds
-      # d x every row of the device (dropless)
-      sent += 4 * mc.mixture_layers() * (d - 1) / d * d * act * mc.experts_per_token
+      # d x every row of the device (dropless), each device of `model` sending 1/m of its width
+      # (expert.width_axis; not inside a pipeline's or a context axis' shard_map)
+      width = m if p == 1 and c == 1 and mc.d_model % m == 0 else 1
+      sent += 4 * mc.mixture_layers() * (d - 1) / d * d * act * mc.experts_per_token / width
     if c > 1:  # models/ring.py, per layer of the device's stage: the K/V ring sends (6c - 4) x
       # one device's k chunk; under a pipeline its all-gather form, 6 (c - 1) x
       kv = act / mc.d_model * (mc.n_kv_heads or mc.n_heads) * mc.head_width() / m
