@@ -480,3 +480,30 @@ def test_generate_from_a_folder_gives_transformers_greedy_tokens_and_chats(tmp_p
   errors = [line for line in err.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and "BertModel" in errors[0] and "Traceback" not in err, err
   assert sorted(p.name for p in bad.iterdir()) == ["config.json"]
+
+
+def test_a_tokenizer_trained_offline_loads_in_transformers_with_its_chat_template(tmp_path, capsys):
+  """dataset.py tokenizer (the guide's offline recipe): a byte-level BPE on a folder of text
+  that AutoTokenizer loads with the same ids and whose chat template renders as hf.render_chat
+  does; too small a vocabulary is one sentence, exit 2, nothing written."""
+  from tokenizers import Tokenizer
+  from jaxpar.commands import dataset
+  text = tmp_path / "text"
+  text.mkdir()
+  (text / "a.py").write_text("def main():\n    return sum(range(10))\n" * 50)
+  out = tmp_path / "tok"
+  assert dataset.main(["tokenizer", str(text), "--out", str(out), "--vocab-size", "300"]) == 0
+  assert "data.tokenizer=" in capsys.readouterr().out
+  ours = Tokenizer.from_file(str(out / "tokenizer.json"))
+  auto = transformers.AutoTokenizer.from_pretrained(str(out))
+  line = "def main(): return 1"
+  assert auto(line)["input_ids"] == ours.encode(line).ids and auto.decode(ours.encode(line).ids) == line
+  assert ours.get_vocab_size() <= 300 and auto.eos_token_id == ours.token_to_id("<|endoftext|>") == 0
+  messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": line}]
+  assert hf.render_chat(str(out), messages) == auto.apply_chat_template(
+      messages, tokenize=False, add_generation_prompt=True)
+  bad = tmp_path / "bad"
+  assert dataset.main(["tokenizer", str(text), "--out", str(bad), "--vocab-size", "100"]) == 2
+  err = capsys.readouterr().err
+  assert "--vocab-size=100 must be at least 259" in err and "Traceback" not in err
+  assert not bad.exists()
