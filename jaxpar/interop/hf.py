@@ -28,6 +28,7 @@ import numpy as np
 from jaxpar import config as jconfig
 from jaxpar import kinds
 from jaxpar.config import ConfigError
+from jaxpar.data import jsonl
 from jaxpar.interop import hf_llama, peft
 from jaxpar.interop.export import STEP_REMEDY, checkpoint_step, write_safetensors, writes
 from jaxpar.interop import generate
@@ -377,49 +378,19 @@ def _token_id(folder: str, hfc: dict, key: str, default: int) -> int:
   return default
 
 
-def chat_template(folder: str) -> str | None:
-  """The folder's chat template (chat_template.jinja, else tokenizer_config.json's chat_template:
-  a string, or the one named "default" of a list), or None."""
-  path = os.path.join(folder, "chat_template.jinja")
-  if os.path.isfile(path):
-    with open(path) as f:
-      return f.read()
-  path = os.path.join(folder, "tokenizer_config.json")
-  template = _read_json(path).get("chat_template") if os.path.isfile(path) else None
-  if isinstance(template, list):
-    template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-  return template if isinstance(template, str) else None
-
-
 def render_chat(folder: str, messages: list[dict]) -> str:
   """`messages` ([{"role", "content"}]) as the folder's chat template writes them, ending with
-  the assistant's turn opened (add_generation_prompt), in a jinja2 sandbox set up as
-  transformers' apply_chat_template sets it up (trim_blocks, lstrip_blocks, raise_exception,
-  the tokenizer_config.json's special tokens)."""
-  template = chat_template(folder)
+  the assistant's turn opened (add_generation_prompt): the renderer data.source=jsonl trains
+  chat records with (transformers' apply_chat_template, else jinja2 set up as transformers
+  sets it up)."""
+  template = jsonl.template_text(folder)
   if template is None:
     raise ConfigError(f"{folder} has no chat template (chat_template.jinja, or chat_template in "
                       f"tokenizer_config.json); leave out --chat to continue the prompt as text")
   try:
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment  # the hf extra's; only chat needs it
-  except ImportError:
-    raise ConfigError("--chat renders the folder's chat template with jinja2, which is not "
-                      "installed: pip install 'jaxpar[hf]'") from None
-
-  def raise_exception(message):
-    raise TemplateError(message)
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-  env.globals["raise_exception"] = raise_exception
-  env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-  path = os.path.join(folder, "tokenizer_config.json")
-  tc = _read_json(path) if os.path.isfile(path) else {}
-  special = {}
-  for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
-    token = tc.get(name)
-    special[name] = token.get("content") if isinstance(token, dict) else token
-  try:
-    return env.from_string(template).render(messages=messages, add_generation_prompt=True,
-                                            **{k: v for k, v in special.items() if v is not None})
-  except TemplateError as e:
-    raise ConfigError(f"{folder}'s chat template refused the messages: {e}") from None
+    return jsonl.ChatTemplate(folder, template).render(messages, add_generation_prompt=True)
+  except ConfigError:
+    raise
+  except Exception as e:  # jinja2's TemplateError (raise_exception), or transformers' own kinds
+    raise ConfigError(f"{folder}'s chat template refused the messages ({type(e).__name__}: "
+                      f"{e})") from None
