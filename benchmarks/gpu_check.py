@@ -24,6 +24,10 @@ synthetic tokens; cuDNN's fused attention where jaxpar finds it usable):
 5. `largest`, `largest_offload`: the largest decoder (d_model 4096, depth searched) that trains,
    predicted from two compiled depths (peak memory is linear in depth under the layer scan) and
    confirmed by 2 real steps, without and with optimizer offload.
+6. `llama_moe`: a mixture's tokens/s and MFU beside `llama`'s; `moe_exchange`: its exchange
+   alone (parallel/expert.py) on every local device, the ragged path jaxpar takes on GPUs
+   (jax.lax.ragged_all_to_all; emulated on the CPU under --small) against the padded path on
+   the same rows: the largest difference, rows/s and the bytes each sends.
 
 Stack: Python >= 3.11, jax >= 0.10.2 with a CUDA plugin, flax, optax, orbax-checkpoint; none of
 tensorflow-datasets, grain, array_record or tensorboardX is imported (each measurement checks).
@@ -113,6 +117,12 @@ def phases(small: bool) -> list[dict]:
   out.append(dict(name="llama_moe", kind="train", steps=steps, need_s=need,
                   overrides={**llama, "model.n_experts": 8, "model.experts_per_token": 2,
                              "model.moe_d_ff": llama["model.d_ff"] // 4}))
+  # its exchange (parallel/expert.py): jax.lax.ragged_all_to_all on the device(s), against the
+  # padded all-to-all on the same rows; --small on 4 simulated CPU devices, the ragged path
+  # emulated (XLA:CPU has no ragged all-to-all)
+  out.append(dict(name="moe_exchange", kind="exchange", need_s=need, steps=steps,
+                  rows=256 if small else 32768, width=64 if small else 2048, experts=8,
+                  xla_flags="--xla_force_host_platform_device_count=4" if small else None))
   return out + levers
 
 
@@ -387,12 +397,78 @@ def measure_largest(spec: dict) -> dict:
           "tries": tries, "largest": next((t for t in tries if t["ok"]), None)}
 
 
+def measure_exchange(spec: dict) -> dict:
+  """A mixture's exchange alone (expert.run_owned over every local device on `data`, top-2 rows
+  of `width` float32 values, `rows` a device, `experts` experts with random group sizes, each row
+  times its expert's matrix), forward and backward, by the ragged path jaxpar takes off the CPU
+  (jax.lax.ragged_all_to_all; --small: its emulation on the CPU) and by the padded path: the
+  largest difference of rows back and gradients, rows/s of each, the bytes each device's
+  collectives carry on the device (sent_bytes; the CPU's emulation itself moves the padded
+  buffers)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import PartitionSpec as P
+
+  from jaxpar.analysis import hlo
+  from jaxpar.models import grouped
+  from jaxpar.parallel import expert
+  from jaxpar.parallel import mesh as jmesh
+  devices = jax.devices()
+  d, A, D, E = len(devices), spec["rows"], spec["width"], spec["experts"]
+  rng = np.random.default_rng(0)
+  sizes = np.stack([rng.multinomial(A, np.ones(E) / E) for _ in range(d)]).astype(np.int32)
+  rows, w, c = (jnp.asarray(rng.normal(size=s) * 0.1, jnp.float32)
+                for s in ((d * A, D), (E, D, D), (d * A, D)))
+  mesh = jmesh.make((d, 1, 1), devices)
+
+  def local(rows, w, sizes, c):
+    out = expert.run_owned(rows, sizes.reshape(E), lambda x, g: grouped.matmul(x, w, g), A,
+                           "data")
+    return jax.lax.psum(jnp.sum(out * c), "data"), out
+  f = jax.shard_map(local, mesh=mesh, in_specs=(P("data"),) * 4, out_specs=(P(), P("data")),
+                    axis_names={"data"})
+  args = (rows, w, jnp.asarray(sizes), c)
+  runs = {}
+  for path, flag in (("ragged", True), ("padded", False)):
+    expert.RAGGED = flag
+    with jax.set_mesh(mesh):
+      step = jax.jit(jax.value_and_grad(f, (0, 1), has_aux=True)).lower(*args).compile()
+      text = step.as_text()
+      (_, out), grads = step(*args)
+      jax.block_until_ready(grads)
+      times = []
+      for _ in range(spec["steps"]):
+        t0 = time.perf_counter()
+        jax.block_until_ready(step(*args))
+        times.append(time.perf_counter() - t0)
+    runs[path] = dict(result=jax.device_get((out, grads)), step_s=float(np.median(times)),
+                      ragged_all_to_alls=text.count("ragged-all-to-all("),
+                      all_to_all_bytes=hlo.collective_bytes(text)["all-to-all"])
+  expert.RAGGED = None
+  diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(
+      jax.tree_util.tree_leaves(runs["ragged"].pop("result")),
+      jax.tree_util.tree_leaves(runs["padded"].pop("result"))))
+  row = D * 4
+  for path, r in runs.items():
+    r["rows_per_s"] = d * A / r["step_s"]
+  # per device and step: 4 exchanges (rows out and back, forward and backward) of its real rows
+  # (the ragged path, the most any device sends) or of d buffers of A rows (padded)
+  runs["ragged"]["sent_bytes"] = int(4 * sizes.sum(1).max() * row)
+  runs["padded"]["sent_bytes"] = int(4 * d * A * row)
+  return dict(devices=d, rows_per_device=A, width=D, experts=E, max_abs_difference=diff,
+              emulated=jax.default_backend() == "cpu", paths=runs,
+              receive_buffer_bytes=int(d * A * row))
+
+
 def child(spec: dict, out: str) -> int:
   import jax
   t0 = time.perf_counter()
   trace_dir = os.path.join(os.path.dirname(out), "trace_" + spec["name"])
   if spec["kind"] == "train":
     result = measure_train(spec, trace_dir)
+  elif spec["kind"] == "exchange":
+    result = measure_exchange(spec)
   else:
     result = measure_largest(spec)
   device = jax.local_devices()[0]
@@ -465,6 +541,12 @@ def summarise(results: dict) -> dict:
   for k in ("largest", "largest_offload"):
     if k in ok:
       s[k] = ok[k]["largest"]
+  if "moe_exchange" in ok:
+    x = ok["moe_exchange"]
+    s["moe_exchange"] = {"devices": x["devices"], "emulated": x["emulated"],
+                         "max_abs_difference": x["max_abs_difference"],
+                         **{f"{k}_{p}": x["paths"][p][k] for p in ("ragged", "padded")
+                            for k in ("rows_per_s", "sent_bytes")}}
   if "llama" in train and "llama_moe" in train:  # the mixture's active MLP is half the dense one's
     s["moe"] = {"tokens_per_s": {"dense": train["llama"]["tokens_per_s"],
                                  "moe": train["llama_moe"]["tokens_per_s"]},
@@ -552,6 +634,12 @@ def main(argv=None) -> int:
             f"step {r['step_s']['median'] * 1e3:.1f} ms, peak {_human(mem['predicted_peak_bytes'])} "
             f"predicted, {_human(mem['allocator_peak_bytes_after_3_steps'])} by the allocator "
             f"({r['seconds']:.0f} s)", flush=True)
+    elif "paths" in r:
+      g, p = r["paths"]["ragged"], r["paths"]["padded"]
+      print(f"gpu_check: {spec['name']}: ragged{' (emulated)' if r['emulated'] else ''} "
+            f"{g['rows_per_s']:,.0f} rows/s, sends {_human(g['sent_bytes'])}; padded "
+            f"{p['rows_per_s']:,.0f} rows/s, sends {_human(p['sent_bytes'])}; largest difference "
+            f"{r['max_abs_difference']:.1e} ({r['seconds']:.0f} s)", flush=True)
     else:
       largest = r.get("largest") or {}
       print(f"gpu_check: {spec['name']}: {largest.get('n_layers')} layers, "

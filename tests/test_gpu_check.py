@@ -94,6 +94,22 @@ def test_small_check_measures_without_the_modules_the_gpu_machine_lacks(small_re
   assert 0.7 * 4 * 2**20 < largest["predicted_peak_bytes"] <= 0.95 * 4 * 2**20
 
 
+def test_the_moe_exchange_phase_runs_the_ragged_path_against_the_padded_one():
+  """--small's moe_exchange phase, in this process (its 8 simulated CPU devices): the ragged
+  exchange, emulated on the CPU, gives the padded path's rows and gradients exactly, and the
+  bytes it would send are the real rows', under the padded buffers'."""
+  from jaxpar.parallel import expert
+  spec = next(p for p in load().phases(small=True) if p["name"] == "moe_exchange")
+  r = load().measure_exchange(spec)
+  assert expert.RAGGED is None  # put back
+  assert r["emulated"] and r["devices"] == 8 and r["max_abs_difference"] == 0.0
+  g, p = r["paths"]["ragged"], r["paths"]["padded"]
+  assert g["sent_bytes"] < p["sent_bytes"] == 4 * 8 * 256 * 64 * 4
+  assert g["rows_per_s"] > 0 and p["rows_per_s"] > 0
+  s = load().summarise({"moe_exchange": r})["moe_exchange"]
+  assert s["sent_bytes_ragged"] == g["sent_bytes"] and s["max_abs_difference"] == 0.0
+
+
 def test_the_predicted_peak_is_plan_pys(small_report):
   from jaxpar import config as jconfig
   from jaxpar.planning import plan

@@ -403,7 +403,7 @@ def test_capacity_with_two_experts_a_device_matches_the_experts_whole_on_each():
 
 
 # the accelerators' path (jax.lax.ragged_dot, grouped.RAGGED_DOT_ON_CPU, and the ragged exchange,
-# expert.RAGGED_ON_CPU, its all-to-all emulated) through whole steps: the experts split alone (two
+# expert.RAGGED, its all-to-all emulated) through whole steps: the experts split alone (two
 # a device, so each matmul has groups to keep apart), and with tensor parallelism inside each
 # under ZeRO-3
 RAGGED_LAYOUTS = [("gpt", (4, 1, 1), 1), ("llama", (4, 2, 1), 3)]
@@ -416,7 +416,7 @@ def test_ragged_dot_path_matches_the_tiles_on_one_device(references, monkeypatch
   data, (ref_losses, ref_metrics, ref_grads) = references(kind)  # tiles, one device
   from jaxpar.parallel import expert
   monkeypatch.setattr(grouped, "RAGGED_DOT_ON_CPU", True)
-  monkeypatch.setattr(expert, "RAGGED_ON_CPU", True)
+  monkeypatch.setattr(expert, "RAGGED", True)
   monkeypatch.setattr(grouped, "_tiled", None)  # the tiles would fail: the path is ragged_dot's
   cfg = make_cfg(f"model.kind={kind}", f"parallel.zero_stage={stage}")
   losses, metrics, grads = train(cfg, shape, data)
@@ -459,7 +459,7 @@ def exchange_result(shape, ragged, monkeypatch, capacity):
   width 8, 8 experts (random group sizes; with a capacity C = 3 rows an expert, some dropped),
   each row times its expert's matrix (grouped.matmul)."""
   from jaxpar.parallel import expert
-  monkeypatch.setattr(expert, "RAGGED_ON_CPU", ragged)
+  monkeypatch.setattr(expert, "RAGGED", ragged)
   d, E, A, D = shape[0], 8, 16, 8
   rng = np.random.default_rng(0)
   sizes = np.stack([rng.multinomial(A, np.ones(E) / E) for _ in range(d)])  # (d, E)

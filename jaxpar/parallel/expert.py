@@ -60,16 +60,17 @@ def width_axis(D: int, manual=frozenset()) -> str | None:
   return axis if axis not in now and mesh.shape[axis] > 1 and D % mesh.shape[axis] == 0 else None
 
 
-# True: the exchange takes the ragged path on the CPU as well, jax.lax.ragged_all_to_all emulated
-# by the padded exchange (XLA:CPU does not implement it): tests/test_moe.py and gpu_check.py
-# --small run it so, against the padded path
-RAGGED_ON_CPU = False
+# None: the exchange takes the ragged path off the CPU only. True: on the CPU as well,
+# jax.lax.ragged_all_to_all emulated by the padded exchange (XLA:CPU does not implement it), as
+# tests/test_moe.py and gpu_check.py --small run it; False: the padded path everywhere (gpu_check's
+# comparison on the device)
+RAGGED: bool | None = None
 
 
 def ragged() -> bool:
   """Whether the exchange sends only each sender's real rows (jax.lax.ragged_all_to_all, which
   GPUs and TPUs run) rather than padded buffers of `capacity` rows for each owner (the CPU)."""
-  return RAGGED_ON_CPU or jax.default_backend() != "cpu"
+  return jax.default_backend() != "cpu" if RAGGED is None else RAGGED
 
 
 class Routes(NamedTuple):
