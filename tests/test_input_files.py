@@ -66,8 +66,9 @@ def _safetensors_header(size: int) -> bytes:
 
 def test_a_hugging_face_folder_is_read_whole_and_as_stored_or_refused(llama, tmp_path, capsys):
   """config.json (or --set model.n_layers) of fewer layers than the checkpoint, an int32 q_proj,
-  garbled, oversized and cut-short safetensors headers, an index naming a missing shard: one
-  sentence naming the file (and the tensor), exit 2, no workdir."""
+  a tensor of the wrong shape (or one layer's unlike the others'), garbled, oversized and
+  cut-short safetensors headers, an index naming a missing shard: one sentence naming the file
+  (and the tensor), exit 2, no workdir."""
   import json
 
   from safetensors.numpy import load_file, save_file
@@ -99,6 +100,18 @@ def test_a_hugging_face_folder_is_read_whole_and_as_stored_or_refused(llama, tmp
   line = broken("int-q", int_q)
   assert ("model.safetensors: tensor model.layers.0.self_attn.q_proj.weight is I32, not "
           "floating point") in line, line
+
+  def reshaped(name, shape):
+    def breakage(_, weights):
+      t = load_file(str(weights))
+      t[name] = np.ones(shape, np.float32)
+      save_file(t, str(weights), metadata={"format": "pt"})
+    return breakage
+  line = broken("norm-shape", reshaped("model.norm.weight", (3,)))  # found as the weights load
+  assert "tensor model.norm.weight gives norm the shape (3,), but config.json makes (32,)" in line
+  line = broken("layer-shape", reshaped("model.layers.1.input_layernorm.weight", (3,)))
+  assert ("model.safetensors: tensor model.layers.1.input_layernorm.weight has the shape (3,), "
+          "but model.layers.0.input_layernorm.weight has (32,)") in line, line
 
   whole = (tmp_path / "llama-copy.safetensors")
   shutil.copyfile(os.path.join(llama, "model.safetensors"), whole)

@@ -154,13 +154,14 @@ FLOATING = ("F16", "BF16", "F32", "F64")
 _BUFFERS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
 
 
-def _header(path: str) -> dict[str, str]:
-  """{tensor: safetensors dtype} of one file, from its header; ConfigError naming the file when it
-  cannot be read (missing, cut short, a garbled or oversized header)."""
+def _header(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+  """{tensor: (safetensors dtype, shape)} of one file, from its header; ConfigError naming the
+  file when it cannot be read (missing, cut short, a garbled or oversized header)."""
   from safetensors import SafetensorError, safe_open  # the optional dependency of model folders
   try:
     with safe_open(path, framework="numpy") as f:
-      return {name: f.get_slice(name).get_dtype() for name in f.keys()}
+      return {name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape()))
+              for name in f.keys()}
   except (SafetensorError, OSError) as e:
     raise ConfigError(f"{path} is not a readable safetensors file ({e})") from None
 
@@ -191,7 +192,8 @@ class Folder:
     for name, path in sorted(self.files.items()):
       if name not in headers[path]:
         raise ConfigError(f"{index} puts tensor {name} in {path}, which does not hold it")
-    self.dtypes = {name: headers[path][name] for name, path in self.files.items()}
+    self.dtypes = {name: headers[path][name][0] for name, path in self.files.items()}
+    self.shapes = {name: headers[path][name][1] for name, path in self.files.items()}
 
   def key(self, name: str) -> str | None:
     """The folder's name for tensor `name` (GPT-2's with or without `transformer.`); None."""
@@ -199,6 +201,13 @@ class Folder:
       if key in self.files:
         return key
     return None
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    """Tensor `name`'s shape, from its file's header."""
+    key = self.key(name)
+    if key is None:
+      raise ConfigError(f"{self.folder} has no tensor {name}")
+    return self.shapes[key]
 
   def read(self, name: str) -> np.ndarray:
     """One tensor of a floating dtype (FLOATING); GPT-2 names are found with or without their
@@ -229,10 +238,11 @@ def wanted(mc, layout=QWEN_MOE) -> set[str]:
   return out
 
 
-def check(folder: str, mc) -> Folder:
+def check(folder: str, mc, abstract: Any = None) -> Folder:
   """The folder, once its tensors are exactly those the model `mc` reads (less non-parameter
-  buffers, and lm_head.weight beside tied embeddings, which transformers skips too) and of
-  floating dtypes: otherwise a ConfigError naming the file and tensor. Reads headers only."""
+  buffers, and lm_head.weight beside tied embeddings, which transformers skips too), of floating
+  dtypes and, given jaxpar's `abstract` parameters, of the shapes they need (`planned_shape`):
+  otherwise a ConfigError naming the file and tensor. Reads headers only."""
   src = Folder(folder)
   want = wanted(mc, moe_layout(src))
   for name in sorted(want):
@@ -249,7 +259,43 @@ def check(folder: str, mc) -> Folder:
                         f"{os.path.join(folder, 'config.json')} and the model.* settings has no "
                         f"place for ({mc.n_layers} layers): jaxpar refuses to train on part of a "
                         f"checkpoint")
+  if abstract is not None:
+    layout, table = moe_layout(src), names(mc, moe_layout(src))
+    for p, a in jax.tree_util.tree_leaves_with_path(abstract):
+      path = path_str(p)
+      if path in table:
+        _same_shape(src, path, mc, planned_shape(src, path, mc, layout), a.shape, layout)
   return src
+
+
+def _same_shape(src: Folder, path: str, mc, got, want, layout) -> None:
+  if tuple(got) != tuple(want):
+    hf_name = names(mc, layout)[path][0]
+    where = hf_name.format(i=layers_of(mc, path)[0], e=0)
+    raise ConfigError(f"{src.folder}: tensor {where} gives {path} the shape {tuple(got)}, but "
+                      f"config.json makes {tuple(want)}")
+
+
+def planned_shape(src: Folder, path: str, mc, layout=QWEN_MOE) -> tuple[int, ...]:
+  """The shape `read_param` gives jaxpar's parameter `path`, from the headers alone: the
+  transforms run on a zero-stride stand-in of one tensor (no memory), the layers and experts
+  counted; ConfigError when they differ in shape, which stacking them would trip on."""
+  hf_name, transform = names(mc, layout)[path]
+  rows = list(layers_of(mc, path)) if "{i}" in hf_name else [0]
+  experts = range(mc.n_experts) if "{e}" in hf_name else [0]
+  first = hf_name.format(i=rows[0], e=0)
+  shape = src.shape(first)
+  for other in (hf_name.format(i=i, e=e) for i in rows for e in experts):
+    if src.shape(other) != shape:
+      raise ConfigError(f"{src.files[src.key(other)]}: tensor {other} has the shape "
+                        f"{src.shape(other)}, but {first} has {shape}")
+  out = transform(np.broadcast_to(np.zeros((), np.float32), shape)).shape
+  out = (len(rows),) * ("{i}" in hf_name) + (len(experts),) * ("{e}" in hf_name) + out
+  if path in ("wte", "head") and len(out) == 2:  # the vocabulary's padding, as read_param's
+    axis = 0 if path == "wte" else 1
+    out = tuple(n + (mc.padded_vocab() - mc.vocab_size if a == axis else 0)
+                for a, n in enumerate(out))
+  return out
 
 
 def read_param(folder: Folder, path: str, mc, want: tuple[int, ...],
@@ -268,10 +314,7 @@ def read_param(folder: Folder, path: str, mc, want: tuple[int, ...],
   if path in ("wte", "head") and x.ndim == 2:  # the vocabulary's padding (model.vocab_multiple)
     axis = 0 if path == "wte" else 1
     x = np.pad(x, [(0, mc.padded_vocab() - mc.vocab_size if a == axis else 0) for a in (0, 1)])
-  if tuple(x.shape) != tuple(want):
-    where = hf_name.format(i=rows[0], e=0)
-    raise ConfigError(f"{folder.folder}: tensor {where} gives {path} the shape {tuple(x.shape)}, "
-                      f"but config.json makes {tuple(want)}")
+  _same_shape(folder, path, mc, x.shape, want, moe_layout)
   return x
 
 
@@ -287,7 +330,7 @@ def moe_layout(folder: Folder) -> tuple:
 def load_params(folder: str, mc, abstract: Any, shardings: Any) -> Any:
   """The folder's parameters as jaxpar's tree, each put onto its sharding as soon as it is read
   (after `check`)."""
-  src = check(folder, mc)
+  src = check(folder, mc, abstract)
   layout = moe_layout(src)
   table = names(mc, layout)
   have = {path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(abstract)}

@@ -104,7 +104,7 @@ class _Run:
     # and what building it wrote under the workdir (<workdir>/data by default) goes again.
     with _undone_on_failure(workdir):
       if cfg.model.init_from and start is None:  # the folder's tensors, before anything is written
-        hf_weights.check(cfg.model.init_from, cfg.model)
+        hf_weights.check(cfg.model.init_from, cfg.model, lora.base_only(trainer.model.abstract))
       self.batches = jdata.make_loader(cfg, workdir, pi, pc)
       evals = (jdata.make_loader(cfg, workdir, pi, pc, split=cfg.data.eval_split, train=False)
                if cfg.train.eval_every else None)
