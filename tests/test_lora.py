@@ -228,6 +228,7 @@ def test_optimizer_state_falls_to_the_adapters_share():
     (["train.lora_rank=4", "train.lora_targets=experts"], "the group 'experts' names none"),
     (["train.lora_rank=4", "train.lora_alpha=0"], "must be positive"),
     (["train.lora_targets=mlp"], "needs train.lora_rank > 0"),
+    (["train.lora_rank=4", "parallel.offload_optimizer=true"], "does not run with LoRA"),
 ])
 def test_bad_lora_keys_are_one_sentence_and_exit_2(keys, words, capsys, tmp_path):
   assert plan_cmd.main(["--mesh", "1x1x1", "--set", *keys]) == 2

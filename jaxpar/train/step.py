@@ -93,11 +93,15 @@ class Trainer:
                           "give your own transformation its mask, e.g. optax.adamw(lr, mask=...)")
       self.tx = optim.with_frozen(tx, self.frozen)
       self.lr_schedule = None  # the logged rate is tx's own injected hyperparameter, if any
+    if pc.offload_optimizer and model.frozen is not None:
+      raise ConfigError("parallel.offload_optimizer does not run with LoRA (train.lora_rank > 0): "
+                        "the offloaded update takes no frozen parameters, and the adapters' "
+                        "optimizer state is small enough for the device; set "
+                        "parallel.offload_optimizer=false")
     if pc.offload_optimizer and (tx is not None or self.frozen is not None):
-      why = ("the LoRA adapters' optimizer state is small" if model.frozen is not None else
-             "it cannot take a tx of your own or frozen parameters")
       raise ConfigError("parallel.offload_optimizer updates the config's AdamW one parameter at a "
-                        f"time, and {why}; set parallel.offload_optimizer=false")
+                        "time and cannot take a tx of your own or frozen parameters; set "
+                        "parallel.offload_optimizer=false")
     # Where the state lives (train/layout.py); its names are the trainer's too.
     self.state_layout = L = StateLayout(cfg, mesh, model, self.tx, table)
     self.specs, self.layout, self.schedule = L.specs, L.zero, L.schedule
