@@ -46,9 +46,8 @@ def test_the_paragraph_count_sees_a_long_paragraph_and_a_long_list_item():
 
 
 # Pages whose walkthroughs show commands the docs test cannot run as they stand: lookups rather
-# than tasks (a refusal, the test suite), and the Hugging Face download, which needs the
-# internet. docs/config.md is generated from config.py.
-NO_SCRIPT_WALKTHROUGH = {"contributing.md", "troubleshooting.md", "huggingface.md"}
+# than tasks (a refusal, the test suite). docs/config.md is generated from config.py.
+NO_SCRIPT_WALKTHROUGH = {"contributing.md", "troubleshooting.md"}
 FIRST_SCREEN = 40  # lines: a guide's first command is on its first screen
 
 
