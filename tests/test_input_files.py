@@ -398,6 +398,13 @@ def test_a_full_disk_during_a_build_leaves_nothing_half_written(tmp_path, capsys
                                      r"device\): nothing of the build is left"):
     local_text.prepare(data, str(text), 0)
   monkeypatch.undo()
+
+  def no_room(*args, **kwargs):  # a disk full before the build's first byte
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+  monkeypatch.setattr(local_text.tempfile, "mkdtemp", no_room)
+  with pytest.raises(RunError, match=r"\(No space left on device\): nothing of the build"):
+    local_text.prepare(data, str(text), 0)
+  monkeypatch.undo()
   assert sorted(os.listdir(os.path.join(data, "local_text"))) == sorted(
       [builder.builder_config.name, f".{builder.builder_config.name}.lock"])
   assert [n for n in os.listdir(data) if n != "local_text"] == []  # no temporary folder

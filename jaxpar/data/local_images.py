@@ -519,7 +519,8 @@ def prepare(source: str, data_dir: str, size: tuple[int, int] | None = None,
   name = auto_name(source, size)
   final = os.path.join(data_dir, "local_images", name)
   stamp = fingerprint(source, size, validation)
-  with stamps.locked(os.path.dirname(final), name, lock_timeout):
+  with (stamps.building(f"local_images/{name}", data_dir),  # a full disk, from the lock on
+        stamps.locked(os.path.dirname(final), name, lock_timeout)):
     if stamps.read(final) == stamp and os.path.isdir(os.path.join(final, str(LocalImages.VERSION))):
       return name, False
     if os.path.exists(final):

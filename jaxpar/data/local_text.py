@@ -173,7 +173,8 @@ def prepare(data_dir: str, path: str = "", max_bytes: int = DEFAULT_MAX_BYTES,
   """
   cfg = LocalTextConfig(path=path, max_bytes=max_bytes)
   final = os.path.join(data_dir, "local_text", cfg.name)
-  with stamps.locked(os.path.dirname(final), cfg.name, lock_timeout):
+  with (stamps.building(f"local_text/{cfg.name}", data_dir),  # a full disk, from the lock on
+        stamps.locked(os.path.dirname(final), cfg.name, lock_timeout)):
     with quiet_absl():
       builder = LocalText(config=cfg, data_dir=data_dir)
       have = builder.is_prepared()
@@ -188,7 +189,7 @@ def prepare(data_dir: str, path: str = "", max_bytes: int = DEFAULT_MAX_BYTES,
     t0 = time.perf_counter()
     tmp = tempfile.mkdtemp(prefix=f".local_text-{cfg.name}-", dir=data_dir)
     try:
-      with stamps.building(f"local_text/{cfg.name}", data_dir), quiet_absl():
+      with quiet_absl():
         tfds.disable_progress_bar()  # a build of a few seconds; its bars would bury the run's own
         LocalText(config=cfg, data_dir=tmp).download_and_prepare(file_format="array_record")
         stamps.write(os.path.join(tmp, "local_text", cfg.name), stamp)

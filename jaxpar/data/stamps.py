@@ -151,10 +151,12 @@ def locked(folder: str, name: str, timeout: float) -> Iterator[None]:
     if not _try_lock(lock):
       _wait(lock, path, name, timeout, here)
     try:
-      lock.truncate(0)
-      lock.write(f"{os.getpid()} {here}\n")
-      lock.flush()
+      with contextlib.suppress(OSError):  # a full disk: the build then says so itself
+        lock.truncate(0)
+        lock.write(f"{os.getpid()} {here}\n")
+        lock.flush()
       yield
     finally:
-      lock.truncate(0)
+      with contextlib.suppress(OSError):
+        lock.truncate(0)
       fcntl.flock(lock, fcntl.LOCK_UN)
