@@ -53,6 +53,14 @@ def random_adapters(params, seed=1):
                                for n, v in params["layers"].items()}}
 
 
+def merged_by_hand(params, s):
+  """W + s * A @ B for every adapted W (numpy, not models/lora.py), the adapters dropped."""
+  layers = params["layers"]
+  return {**params, "layers": {n: np.asarray(w) + s * np.matmul(layers[n + lora.A], layers[n + lora.B])
+                               if n + lora.A in layers else w
+                               for n, w in layers.items() if not lora.is_adapter(n)}}
+
+
 def test_adapter_gradients_are_the_merged_weights_gradient_times_the_other_factor():
   """d/dA = s dW B^T and d/dB = s A^T dW, dW the plain model's gradient at W + s A @ B, s = alpha/r;
   the base weights get none."""
@@ -62,7 +70,7 @@ def test_adapter_gradients_are_the_merged_weights_gradient_times_the_other_facto
   batch = {"tokens": jnp.asarray(tokens())}
   g = jax.jit(jax.grad(lambda p: model.loss(p, batch)[0]))(params)["layers"]
   s = 8 / 4
-  merged = lora.merge_params(params, cfg.train)
+  merged = merged_by_hand(params, s)
   dw = jax.jit(jax.grad(lambda p: plain.loss(p, batch)[0]))(merged)["layers"]
   layers = params["layers"]
   for name in lora.targets(cfg.train, layers):
@@ -72,8 +80,22 @@ def test_adapter_gradients_are_the_merged_weights_gradient_times_the_other_facto
     assert rel(g[name + lora.A], want_a) < 1e-5, name
     assert rel(g[name + lora.B], want_b) < 1e-5, name
     assert not np.any(g[name]), name  # the base weight: no gradient (stop_gradient in the merge)
-  np.testing.assert_allclose(merged["layers"]["wq"], layers["wq"] + s * layers["wq_lora_a"]
-                             @ layers["wq_lora_b"], rtol=1e-6)
+  ours = lora.merge_params(params, cfg.train)["layers"]  # what export and generation use
+  for name, w in merged["layers"].items():
+    np.testing.assert_allclose(ours[name], w, rtol=1e-6, atol=1e-7)
+
+
+def test_a_mixture_every_other_layer_merges_each_layers_own_adapters():
+  """model.moe_every=2: the dense layers' and the mixtures' adapters ride their own stacks
+  (decoder.in_groups' pick); the loss is the plain model's at the merged weights."""
+  moe = ["model.n_experts=4", "model.moe_every=2"]
+  cfg = cfg_of(*moe, "train.lora_targets=attention,mlp,experts")
+  model, plain = jmodel.decoder(cfg), jmodel.decoder(config.load(None, PLAIN + moe))
+  params = random_adapters(jax.device_get(jax.jit(model.init)(jax.random.key(0))))
+  batch = {"tokens": jnp.asarray(tokens())}
+  got = jax.jit(lambda p: model.loss(p, batch)[0])(params)
+  want = jax.jit(lambda p: plain.loss(p, batch)[0])(merged_by_hand(params, 8 / 4))
+  assert abs(float(got) - float(want)) <= 1e-6 * abs(float(want))
 
 
 def run(cfg, shape, steps=3, **kw):
