@@ -123,10 +123,9 @@ def test_grouped_query_attention_2x4x1_zero3_vs_1x1x1():
   assert_trees_close(grads, ref_grads, "gradient")
 
 
-def test_offload_optimizer_8x1x1_zero3_vs_1x1x1():
-  cfg = make_cfg()
-  data = batches(cfg, 2)
-  ref, ref_params, _ = train(cfg, (1, 1, 1), data)
+def test_offload_optimizer_8x1x1_zero3_vs_1x1x1(reference):
+  """Against the module's one-device run (its 5 steps: no second reference of the same model)."""
+  data, (ref, ref_params, _) = reference
   got, params, _ = train(make_cfg("parallel.offload_optimizer=true", "parallel.zero_stage=3"),
                          (8, 1, 1), data)
   np.testing.assert_allclose(got, ref, rtol=RTOL)
