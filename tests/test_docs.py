@@ -81,12 +81,24 @@ def fast(argv: list[str]) -> list[str]:
 
 
 # Commands whose mesh has this process's 8 devices run in it (their main, in the same folder),
-# which saves each a Python and JAX start-up; the others pick their own device count.
+# which saves each a Python and JAX start-up; so do plan.py's searches of 8 devices (--auto
+# --devices 8) and of none (--analytic: formulas only); the others pick their own device count.
 IN_PROCESS = {"scripts/train.py": train_command.main, "scripts/plan.py": plan_command.main}
 
 
 def _devices(mesh: str) -> int:
   return math.prod(int(n) for n in mesh.split("x"))
+
+
+def here(argv: list[str]) -> bool:
+  """Whether the command runs in this process: its devices are this process's 8, or none."""
+  if argv[0] not in IN_PROCESS:
+    return False
+  if "--mesh" in argv:
+    return _devices(argv[argv.index("--mesh") + 1]) == 8
+  if argv[0] == "scripts/plan.py" and "--analytic" in argv:
+    return True
+  return "--auto" in argv and "--devices" in argv and argv[argv.index("--devices") + 1] == "8"
 
 
 def in_process(argv, folder, monkeypatch, capsys) -> subprocess.CompletedProcess:
@@ -198,8 +210,7 @@ def test_docs_commands_run_in_order(tmp_path, monkeypatch, capsys):
         if restart:  # 4 steps past where the workdir's checkpoint is
           argv += ["--steps", str(trained[_workdir(argv)] + 4)]
         trained[_workdir(argv)] = trained.get(_workdir(argv), 0) + 4
-      r = (in_process(argv, tmp_path, monkeypatch, capsys) if argv[0] in IN_PROCESS
-           and "--mesh" in argv and _devices(argv[argv.index("--mesh") + 1]) == 8
+      r = (in_process(argv, tmp_path, monkeypatch, capsys) if here(argv)
            else subprocess.run([sys.executable] + argv, cwd=tmp_path, env=env,
                                capture_output=True, text=True, timeout=600))
     what = f"{doc}: {cmd}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
