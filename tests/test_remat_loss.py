@@ -102,14 +102,20 @@ def test_vocab_parallel_loss_moves_no_full_logits(shape, extra):
   assert all(n < logits for _, n in found), sorted(found, key=lambda x: -x[1])[:3]
 
 
+@pytest.fixture(scope="module")
+def reference():
+  """The one-device run both sequence-parallel layouts are compared with (trained once)."""
+  data = eq.batches(eq.make_cfg(), 2)
+  return data, eq.train(eq.make_cfg(), (1, 1, 1), data)
+
+
 @pytest.mark.parametrize("shape,extra", [
     ((1, 4, 1), []),
     ((2, 2, 2), ["parallel.zero_stage=3", "parallel.schedule=1f1b"]),
 ], ids=["1x4x1-tensor-parallel-vs-1x1x1", "2x2x2-zero3-1f1b-vs-1x1x1"])
-def test_sequence_parallel_matches_one_device(shape, extra):
+def test_sequence_parallel_matches_one_device(reference, shape, extra):
   cfg = eq.make_cfg("parallel.sequence_parallel=true", *extra)
-  data = eq.batches(cfg, 2)
-  ref, _, ref_grads = eq.train(eq.make_cfg(), (1, 1, 1), data)
+  data, (ref, _, ref_grads) = reference
   got, _, grads = eq.train(cfg, shape, data)
   np.testing.assert_allclose(got, ref, rtol=eq.RTOL)
   eq.assert_trees_close(grads, ref_grads, "gradient")
