@@ -5,9 +5,10 @@ Every layout runs one training step on 4 packed rows of T = 32 (11 documents, on
 padding) and must match one device on the 11 documents one per row (fp32, 1e-5 relative): the
 loss, the `loss_weight` count, every gradient, and each document's own loss (the eval loss with
 a loss_mask on that document alone). The layouts together cover blockwise attention, the ring on
-`context` (C = 2 and 4, load-balanced, and its all-gather form inside a pipeline), the 1F1B
-pipeline, tensor + sequence parallelism with remat, ZeRO-3, gradient accumulation, GPT's learned
-and Llama's rotary positions, and a mixture of experts. Changing one document's tokens moves no
+`context` (C = 4 load-balanced, and C = 2 in its all-gather form inside a pipeline), the 1F1B
+pipeline beside data parallelism (and its row-by-row evaluation), tensor + sequence parallelism
+with remat, ZeRO-3, gradient accumulation, GPT's learned and Llama's rotary positions, and a
+mixture of experts. Changing one document's tokens moves no
 other document's logits (exactly), on the matmul and the blockwise forms; the ring's isolation
 and equality with one device's attention are in test_ring_attention.py.
 """
@@ -119,19 +120,17 @@ LAYOUTS = [
                            "parallel.remat=full", "blockwise"]),
     # the ring on context, C = 4 (load-balanced chunks), with gradient accumulation
     ("gpt", (1, 1, 1, 4), [], ["train.grad_accum=2"]),
-    # rotary positions around a ring of C = 2 beside data parallelism
-    ("llama", (2, 1, 1, 2), ["model.n_kv_heads=2"], []),
-    # the 1F1B pipeline, its stages' attention all-gathered over context = 2
-    ("gpt", (1, 1, 2, 2), [], ["parallel.schedule=1f1b", "parallel.microbatches=2"]),
-    ("llama", (2, 1, 2), [], ["parallel.schedule=1f1b", "parallel.microbatches=2"]),
-    # a mixture of experts (dropless) beside data and tensor parallelism, ZeRO-3
-    ("gpt", (2, 2, 1), MOE, ["parallel.zero_stage=3"]),
+    # the 1F1B pipeline beside data parallelism, its stages' attention all-gathered over a
+    # context of C = 2 (GPT's learned positions taken per microbatch)
+    ("gpt", (2, 1, 2, 2), [], ["parallel.schedule=1f1b", "parallel.microbatches=2"]),
+    # a Llama mixture of experts (rotary positions, dropless) beside data and tensor
+    # parallelism, ZeRO-3
+    ("llama", (2, 2, 1), MOE + ["model.n_kv_heads=2"], ["parallel.zero_stage=3"]),
 ]
-
 
 def layout_id(layout):
   kind, shape, model_extra, extra = layout
-  return "-".join([kind, "x".join(map(str, shape)), *(["moe"] if model_extra == MOE else []),
+  return "-".join([kind, "x".join(map(str, shape)), *(["moe"] if MOE[0] in model_extra else []),
                    *(e.split("=")[0].split(".")[-1] + (e.split("=")[1] if "=" in e else "")
                      for e in extra)])
 
@@ -147,7 +146,7 @@ def test_packed_rows_match_one_document_per_row(layout, monkeypatch):
   masks = [(np.arange(len(ROWS))[:, None] == r) & (batch["segment_ids"] == d) for r, d in where]
   cfg = config.load(None, BASE + [f"model.kind={kind}", *model_extra, *extra])
   # the pipeline's row-by-row eval: each row runs as all M microbatches, its count its own
-  by_rows = kind == "llama" and "parallel.schedule=1f1b" in extra
+  by_rows = "parallel.schedule=1f1b" in extra
   loss, count, grads, docs, rows = run(cfg, shape, batch, per_document(batch, masks), by_rows)
   assert count == want_count == sum(n - 1 for row in ROWS for n in row)
   np.testing.assert_allclose(docs, want_docs, rtol=RTOL)

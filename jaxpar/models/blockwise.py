@@ -21,9 +21,10 @@ a mesh axis and folds each into the query block it holds:
 - `fold(state, q, k, v, q_start, k_start, scale, q_seg=None, k_seg=None)` -> State with one kv
   block folded in; the scores are scale * q k^T (scale 1/sqrt(K)). With the queries' and keys'
   segment ids q_seg (B, bq), k_seg (B, bk) (packed documents, models/segments.py) a query also
-  sees only the keys of its own segment: the mask is made per block pair, never (T, T). Blocks may be folded in any order (the same sums,
-  different rounding); a pair for which `visible(q_start, bq, k_start)` is false changes nothing
-  and may be skipped (in a ring, under lax.cond).
+  sees only the keys of its own segment: the mask is made per block pair, never (T, T). Blocks
+  may be folded in any order (the same sums, different rounding); a pair for which
+  `visible(q_start, bq, k_start)` is false changes nothing and may be skipped (in a ring, under
+  lax.cond).
 - `finish(state)` -> (out (B, G, R, bq, K) float32, lse (B, G, R, bq)): out = acc / l and
   lse = m + log l, the row's logsumexp (+inf for a row that saw no key, so the backward's
   exp(s - lse) is 0 there and its out is 0).

@@ -42,11 +42,6 @@ def positions(ids: jax.Array) -> jax.Array:
   return col - lax.cummax(jnp.where(start, col, 0), axis=ids.ndim - 1)
 
 
-def is_packed(batch: dict) -> bool:
-  """Whether a decoder batch carries segment ids or a loss mask (a weighted, maybe masked, loss)."""
-  return any(k in batch for k in KEYS) or "weights" in batch
-
-
 def split(batch: dict) -> dict:
   """A decoder batch (leaves (..., T+1)) -> {'inputs', 'targets'} (..., T), and where it is packed
   'weights' (..., T) float32 (how much each target counts) and, with segment ids, 'segments' and
