@@ -1,18 +1,22 @@
 """Tokens/s of a mixture of experts against the dense model of the same active parameters, and the
 router's load balance after a short run on the main job's data.
 
-python benchmarks/moe.py [--steps S] [--pairs N] [--balance-steps B] [--out FILE]
+python benchmarks/moe.py [--steps S] [--pairs N] [--capacity F] [--balance-steps B] [--out FILE]
 Writes benchmarks/results/moe.json by default (git-ignored; the committed figures are in
 benchmarks/reference/moe.json).
 
 The models, both the default `gpt` (4 layers, d_model 128, sequence 128, batch 16):
   dense  its MLP of d_ff 512;
   moe    8 GELU experts of width 256, top-2 (model.n_experts=8 experts_per_token=2 moe_d_ff=256):
-         each token goes through 2 x 256 hidden units, as the dense model's 512, plus the router.
+         each token goes through 2 x 256 hidden units, as the dense model's 512, plus the router;
+  moe_capacity  the same with model.capacity_factor=F (--capacity, 1.25 by default; 0 leaves it
+         out): an expert takes at most ceil(F x tokens x k / E) of a device's rows, and with the
+         experts split the exchange's buffers hold that many rather than all of them.
 Each runs scripts/train.py on the main job's data (data.source=local_text, the default) for
 --steps steps, on one CPU device (1x1x1) and on 8 simulated CPU devices (8x1x1: data parallel for
 the dense model; for the mixture the experts split 8 ways, one per device, with the all-to-all).
-The runs alternate (dense, moe, then moe, dense, ...) so load from other work falls on both alike.
+The runs alternate (dense, moe, moe_capacity, then the reverse, ...) so load from other work
+falls on all alike.
 Tokens/s is the summary's `tokens_per_sec` (after the first log interval: no compile). The JSON
 holds every run, the medians and the ratios moe / dense per mesh: a ratio, as the host is shared.
 
@@ -147,6 +151,8 @@ def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--steps", type=int, default=30, help="steps per timed run (default 30)")
   p.add_argument("--pairs", type=int, default=2, help="alternating pairs per mesh (default 2)")
+  p.add_argument("--capacity", type=float, default=1.25,
+                 help="capacity factor of the moe_capacity model (default 1.25; 0: no such run)")
   p.add_argument("--balance-steps", type=int, default=100,
                  help="steps of the load-balance run (default 100)")
   p.add_argument("--only", choices=MESHES, help="one mesh")
@@ -157,30 +163,39 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
   args = parser().parse_args(argv)
   import jax
-  result = {"what": "tokens/s of an 8-expert top-2 mixture vs the dense model of the same active "
-                    "parameters, and the router's load balance after a short run",
+  models = dict(MODELS)
+  if args.capacity:
+    models["moe_capacity"] = MODELS["moe"] + [f"model.capacity_factor={args.capacity}"]
+  result = {"what": "tokens/s of an 8-expert top-2 mixture, dropless and with a capacity factor, "
+                    "vs the dense model of the same active parameters, and the router's load "
+                    "balance after a short run",
             "host_cpu": _jaxpar_bench.host_cpu(), "jax": jax.__version__, "steps": args.steps,
             "pairs": args.pairs, "load_average_at_start": os.getloadavg(),
             "models": {name: {"overrides": o, "mlp_params_per_layer": active_mlp_params(o)}
-                       for name, o in MODELS.items()},
+                       for name, o in models.items()},
             "cases": {}}
   with tempfile.TemporaryDirectory(prefix="jaxpar-moe-data-") as data_dir:
     for mesh in ([args.only] if args.only else MESHES):
-      runs: dict[str, list[dict]] = {name: [] for name in MODELS}
+      runs: dict[str, list[dict]] = {name: [] for name in models}
       for pair in range(args.pairs):
-        for name in (("dense", "moe") if pair % 2 == 0 else ("moe", "dense")):
-          row = one_run(mesh, MODELS[name], args.steps, data_dir)
+        for name in list(models)[::1 if pair % 2 == 0 else -1]:
+          row = one_run(mesh, models[name], args.steps, data_dir)
           runs[name].append(row)
           print(f"{mesh} {name}: {row}", flush=True)
       med = {name: statistics.median(r["tokens_per_sec"] for r in rs) for name, rs in runs.items()}
       result["cases"][mesh] = {"runs": runs, "median_tokens_per_sec": med,
-                               "moe_over_dense": round(med["moe"] / med["dense"], 3)}
+                               "moe_over_dense": round(med["moe"] / med["dense"], 3),
+                               "load_average_after": os.getloadavg()}
+      if "moe_capacity" in med:
+        result["cases"][mesh]["moe_capacity_over_dense"] = round(
+            med["moe_capacity"] / med["dense"], 3)
     result["load_average_after_speed"] = os.getloadavg()
     if args.balance_steps:
       result["load_balance"] = load_balance(args.balance_steps, data_dir)
   result["load_average_at_end"] = os.getloadavg()
   _jaxpar_bench.write_json(result, args.out)
-  print(json.dumps({m: c["moe_over_dense"] for m, c in result["cases"].items()}))
+  print(json.dumps({m: {k: v for k, v in c.items() if k.endswith("_over_dense")}
+                    for m, c in result["cases"].items()}))
   return result
 
 

@@ -201,13 +201,15 @@ def generation() -> list[str]:
 
 
 def moe_ratios() -> list[str]:
-  return [r(ref("moe")["cases"][m]["moe_over_dense"]) for m in ("1x1x1", "8x1x1")]
+  return [r(ref("moe")["cases"][m][k]) for m in ("1x1x1", "8x1x1")
+          for k in ("moe_over_dense", "moe_capacity_over_dense")]
 
 
 def moe_row(mesh: str) -> list[str]:
   c = ref("moe")["cases"][mesh]
   med = c["median_tokens_per_sec"]
-  return [comma(med["dense"]), comma(med["moe"]), r(c["moe_over_dense"], 3)]
+  return [comma(med["dense"]), comma(med["moe"]), r(c["moe_over_dense"], 3),
+          comma(med["moe_capacity"]), r(c["moe_capacity_over_dense"], 3)]
 
 
 def peak(stage: int) -> str:
@@ -239,10 +241,11 @@ QUOTED = [
      lambda: [r(ref("startup")["cases"]["default"]["ratios"]["restart_compile_s_vs_cold"])]),
     ("README.md", "{}x the full recompute's tokens/s", lambda: generation()[3:4]),
     ("README.md", "{} of HF transformers + torch's tokens/s", lambda: vs_pytorch()[:1]),
-    ("README.md", "8 experts top-2 at {}x the tokens/s of the dense model of the same active "
-     "parameters on one CPU device", lambda: moe_ratios()[:1]),
-    ("docs/moe.md", "| 1x1x1 (one CPU device) | {} | {} | {}x |", lambda: moe_row("1x1x1")),
-    ("docs/moe.md", "| 8x1x1 (8 simulated devices, one expert each) | {} | {} | {}x |",
+    ("README.md", "8 experts top-2 at {}x (dropless) and {}x (capacity factor 1.25) the tokens/s "
+     "of the dense model of the same active parameters on one CPU device", lambda: moe_ratios()[:2]),
+    ("docs/moe.md", "| 1x1x1 (one CPU device) | {} | {} | {}x | {} | {}x |",
+     lambda: moe_row("1x1x1")),
+    ("docs/moe.md", "| 8x1x1 (8 simulated devices, one expert each) | {} | {} | {}x | {} | {}x |",
      lambda: moe_row("8x1x1")),
     # memory: plan.py's compiled steps (docs/images/zero_memory.json)
     *[("docs/memory.md", f"| {stage} " + TABLE_ROW, lambda stage=stage: zero_row(stage))
