@@ -105,13 +105,54 @@ def keep_unless(ok: jax.Array, new: Any, old: Any) -> Any:
       new, old, is_leaf=is_sched)
 
 
-def piecewise(tc: TrainConfig, model, opt_abstract: Any) -> tuple[optax.GradientTransformation, int]:
+def any_frozen(frozen: Any | None) -> bool:
+  """Whether `with_frozen` wraps the chain (some parameter is frozen)."""
+  return frozen is not None and any(jax.tree_util.tree_leaves(frozen))
+
+
+def trainable(tree: Any, frozen: Any | None) -> Any:
+  """`tree` (the parameters' structure) as `with_frozen`'s chain sees it: each frozen leaf an
+  optax.MaskedNode, an empty subtree."""
+  if not any_frozen(frozen):
+    return tree
+  return jax.tree_util.tree_map(lambda x, f: optax.MaskedNode() if f else x, tree, frozen)
+
+
+def with_trainable(tree: Any, part: Any, frozen: Any | None) -> Any:
+  """`tree` with its trainable leaves replaced by `part`'s (`trainable`'s structure)."""
+  if not any_frozen(frozen):
+    return part
+  leaves, tdef = jax.tree_util.tree_flatten(tree)
+  flags = tdef.flatten_up_to(frozen)
+  new = iter(jax.tree_util.tree_leaves(part))
+  return tdef.unflatten([x if f else next(new) for x, f in zip(leaves, flags)])
+
+
+def chain_state(opt: Any, frozen: Any | None) -> Any:
+  """The state of optim.make's own chain (clip, AdamW) inside `with_frozen`'s; a tree of
+  shardings of the state's structure works too."""
+  return opt.inner_states["trainable"].inner_state if any_frozen(frozen) else opt
+
+
+def with_chain_state(opt: Any, inner: Any, frozen: Any | None) -> Any:
+  """`opt` with `chain_state` replaced by `inner`; the frozen group's state (empty) as it was."""
+  if not any_frozen(frozen):
+    return inner
+  group = opt.inner_states["trainable"]
+  return opt._replace(inner_states={**opt.inner_states,
+                                    "trainable": group._replace(inner_state=inner)})
+
+
+def piecewise(tc: TrainConfig, model, opt_abstract: Any,
+              frozen: Any | None = None) -> tuple[optax.GradientTransformation, int]:
   """For an offloaded optimizer (zero.offloaded_update), which runs the chain one parameter at a
-  time: (the chain without global-norm clipping, which needs every gradient at once and runs
-  first, on the device; the number of leading clip states it leaves out)."""
+  time on the trainable parameters (`trainable`; the frozen ones hold no state): (the chain
+  without global-norm clipping, which needs every gradient at once and runs first, on the
+  device; the number of leading clip states of `chain_state` it leaves out)."""
   n_clip = 1 if tc.clip_norm > 0 else 0
   tx = make(dataclasses.replace(tc, clip_norm=0.0), model.logical)
-  rest = jax.eval_shape(tx.init, model.abstract)
-  if jax.tree_util.tree_structure(rest) != jax.tree_util.tree_structure(opt_abstract[n_clip:]):
+  rest = jax.eval_shape(tx.init, trainable(model.abstract, frozen))
+  inner = chain_state(opt_abstract, frozen)
+  if jax.tree_util.tree_structure(rest) != jax.tree_util.tree_structure(tuple(inner)[n_clip:]):
     raise AssertionError("optim.make's chain is no longer (clip, rest): update optim.piecewise")
   return tx, n_clip

@@ -93,14 +93,9 @@ class Trainer:
                           "give your own transformation its mask, e.g. optax.adamw(lr, mask=...)")
       self.tx = optim.with_frozen(tx, self.frozen)
       self.lr_schedule = None  # the logged rate is tx's own injected hyperparameter, if any
-    if pc.offload_optimizer and model.frozen is not None:
-      raise ConfigError("parallel.offload_optimizer does not run with LoRA (train.lora_rank > 0): "
-                        "the offloaded update takes no frozen parameters, and the adapters' "
-                        "optimizer state is small enough for the device; set "
-                        "parallel.offload_optimizer=false")
-    if pc.offload_optimizer and (tx is not None or self.frozen is not None):
+    if pc.offload_optimizer and tx is not None:
       raise ConfigError("parallel.offload_optimizer updates the config's AdamW one parameter at a "
-                        "time and cannot take a tx of your own or frozen parameters; set "
+                        "time and cannot take a tx of your own; set "
                         "parallel.offload_optimizer=false")
     # Where the state lives (train/layout.py); its names are the trainer's too.
     self.state_layout = L = StateLayout(cfg, mesh, model, self.tx, table)
@@ -109,7 +104,8 @@ class Trainer:
     self.abstract_state, self.opt_device = L.abstract_state, L.opt_device
     self.dynamic_scale, self.layer_order = L.dynamic_scale, L.layer_order
     if pc.offload_optimizer:
-      self._offload_tx, self._n_clip = optim.piecewise(cfg.train, model, L.abstract_state["opt"])
+      self._offload_tx, self._n_clip = optim.piecewise(cfg.train, model, L.abstract_state["opt"],
+                                                       self.frozen)
     self.context = jmesh.size(mesh, CONTEXT)  # the sequence's split (ring attention)
     self.context_attention = jmesh.context_attention(pc.context_attention,
                                                      self.schedule is not None)
@@ -529,15 +525,21 @@ class Trainer:
   # runs first, on the device; the rest of optim.make's chain runs piece by piece.
 
   def _offloaded_update(self, grads, opt, params, ok):
-    """(new params, new state) of the optimizer with its state in host memory."""
-    n = self._n_clip
+    """(new params, new state) of the optimizer with its state in host memory. Frozen leaves
+    (no state) are left out of the piecewise update and come back as they were."""
+    n, frozen = self._n_clip, self.frozen
+    part = lambda tree: optim.chain_state(tree, frozen)
+    inner = part(opt)
+    grads = optim.trainable(grads, frozen)
     if n:
-      grads, _ = optax.clip_by_global_norm(self.cfg.train.clip_norm).update(grads, opt[0])
+      grads, _ = optax.clip_by_global_norm(self.cfg.train.clip_norm).update(grads, inner[0])
     keep = None if ok is None else (lambda new, old: optim.keep_unless(ok, new, old))
-    params, rest = zero.offloaded_update(self._offload_tx, grads, opt[n:], params,
-                                         self.state_shardings["opt"][n:], self.opt_device[n:],
-                                         keep, stream=self.state_layout.stream_layers())
-    return params, opt[:n] + rest
+    new, rest = zero.offloaded_update(
+        self._offload_tx, grads, inner[n:], optim.trainable(params, frozen),
+        part(self.state_shardings["opt"])[n:], part(self.opt_device)[n:], keep,
+        stream=optim.trainable(self.state_layout.stream_layers(), frozen))
+    return (optim.with_trainable(params, new, frozen),
+            optim.with_chain_state(opt, inner[:n] + rest, frozen))
 
   def jitted(self, batch_abstract: Any):
     """The step, jitted with the state's shardings (state donated)."""
