@@ -195,8 +195,11 @@ def run_owned(rows: jax.Array, group_sizes: jax.Array, compute: Callable, capaci
   Where `width_axis` splits the experts' width, the buffers cross split along D over it, and the
   result comes back split so (GSPMD gathers it where the block needs the whole row)."""
   A, D = rows.shape
-  # the ragged exchange crosses whole rows: inside the step, a shard_map over `model` nested
-  # around it fails to lower (XLA's sdy verifier: "manual axis model after free axis data")
+  # the ragged exchange crosses whole rows: inside the step (a layer scan under jax.checkpoint) a
+  # shard_map over `model` nested around it is split by the remat's partial evaluation, its
+  # constants and index arithmetic carried out as residuals whose shardings the partitioner
+  # refuses ("manual axis model after free axis data", JAX 0.10.2); the padded exchange's nested
+  # map holds nothing but the all-to-all
   split = None if ragged() else width_axis(D, manual)
   along_d = lambda x, a: x if split is None else jax.lax.with_sharding_constraint(
       x, P(*(None,) * (x.ndim - 1), a))  # (.., D) split over `a` along D, or whole (None)
