@@ -42,11 +42,9 @@ class ModelConfig:
   head_dim: int = 0
   d_ff: int = 512  # hidden units of each block's MLP; divisible by the model axis; at most 2**20
   vocab_size: int = 256  # byte-level tokens
-  # gpt, llama: the embedding and the LM head hold vocab_size rounded up to a multiple of this
-  # (Megatron's make_vocab_size_divisible_by), so the vocabulary splits over any model degree
-  # that divides the rounded size (GPT-2's 50,257 -> 50,304). The padding's logits are masked out
-  # of the softmax, the loss and sampling; it is never exported and not counted as parameters.
-  # 1 = no padding (and a checkpoint from before this key is read with 1)
+  # gpt, llama: the embedding and LM head hold vocab_size rounded up to a multiple of this (GPT-2's
+  # 50,257 -> 50,304, which splits over model); the padding's logits are masked out of the softmax,
+  # the loss and sampling, never exported nor counted. 1 = none (a checkpoint from before the key)
   vocab_multiple: int = 64
   seq_len: int = 128  # tokens per training sequence (the context window)
   tie_embeddings: bool = False  # the LM head is the token embedding transposed (GPT-2's layout)
@@ -61,18 +59,14 @@ class ModelConfig:
   # outputs, in training only; its masks follow each step's key (train.seed, the step) and the
   # global batch row, so every layout draws the same ones. In [0, 1); not with a pipeline.
   dropout: float = 0.0
-  # gpt, llama: mixture of experts (models/moe.py). n_experts=0: a dense MLP in every block.
-  # Otherwise each block's MLP is n_experts experts of width moe_d_ff (0 = d_ff), each token sent
-  # to experts_per_token of them by a router; shared_experts always-on experts (one dense MLP of
-  # their summed width) are added to every token (DeepSeek); shared_expert_gate scales their output
-  # per token by sigmoid(x . w), a learned (D,) vector per layer (Qwen2-MoE's shared_expert_gate).
-  # router_softmax: after_topk = the softmax over the k chosen logits (Mixtral's softmax, top-k,
-  # renormalise; Qwen2/3-MoE with norm_topk_prob) | before_topk = the softmax over all experts,
-  # the k chosen probabilities kept as they are (Qwen2-MoE's default, DeepSeek-V2, Switch).
-  # capacity_factor: 0 = dropless; > 0 = each expert takes at most ceil(factor x tokens x k / E)
-  # of a device's tokens, the rest pass by on the residual. moe_every=k: layer i (from 0) is a
-  # mixture iff (i + 1) % k == 0 (Hugging Face's decoder_sparse_step), the others dense MLPs of
-  # width d_ff; n_layers must be divisible by k. At most 4096 experts.
+  # gpt, llama: mixture of experts (docs/moe.md). n_experts=0: a dense MLP in every block; else
+  # n_experts (at most 4096) experts of width moe_d_ff (0 = d_ff), each token sent to
+  # experts_per_token of them; shared_experts: always-on experts (one dense MLP of their summed
+  # width), scaled per token by sigmoid(x . w) with shared_expert_gate (Qwen2-MoE). router_softmax:
+  # after_topk = softmax over the k chosen logits (Mixtral) | before_topk = over all experts
+  # (Qwen2-MoE's default). capacity_factor: 0 = dropless; > 0 = each expert takes at most
+  # ceil(factor x tokens x k / E) of a device's tokens. moe_every=k: layer i is a mixture iff
+  # (i + 1) % k == 0 (decoder_sparse_step), the others dense MLPs of width d_ff.
   n_experts: int = 0
   experts_per_token: int = 2  # k: the experts the router sends each token to
   moe_every: int = 1  # every how many layers is a mixture (1: every layer)
@@ -129,17 +123,11 @@ class DataConfig:
   # tfds: background threads reading and transforming batches; local_text and synthetic: any
   # N > 0 is one thread reading two batches ahead (0 = everything in the loop)
   workers: int = 2
-  # text (local_text, tfds): documents = each batch carries segment_ids (models/segments.py), so
-  # the documents in a window never see each other: each one's positions restart at 0, attention
-  # stays inside it, and no document's first token is predicted from the one before. The windows
-  # are the same as stream's (the split's documents, each ended by its end token, cut every
-  # seq_len + 1 tokens): a document that a window's end cuts goes on in the next window as a
-  # segment of its own, from position 0, seeing only its tokens there. stream = one sequence per
-  # window, attending across documents, positions running on (jaxpar before data.packing; its
-  # losses differ). Default documents: a folder's files and a dataset's records are unrelated
-  # texts, and nothing at inference time follows one with another. Its cost: one (B, T+1) int32
-  # leaf per batch, a mask on attention's scores, and on GPU no cuDNN fused attention (XLA's or
-  # the blockwise form runs instead). synthetic data has no documents: the two are the same
+  # text (local_text, tfds; docs/packing.md): documents = segment_ids keep a window's documents
+  # apart (positions from 0, attention inside each; a document a window cuts goes on in the next
+  # as a segment of its own). stream = attention across documents (jaxpar before this key).
+  # Default documents: a folder's files are unrelated texts. Cost: a (B, T+1) int32 leaf, a mask
+  # on attention's scores, no cuDNN fused attention on GPU. synthetic data: the two are the same
   packing: str = "documents"  # documents | stream
 
 
@@ -161,34 +149,27 @@ class TrainConfig:
   # batches per evaluation (0 = the whole split: every example, the last batch padded and masked)
   eval_steps: int = 10
   skip_nonfinite: bool = False  # a step with a non-finite loss or gradient leaves the state as it was
-  # Loss-spike guard (off at 0): a non-finite loss or gradient norm, or spike_steps losses in a row
-  # above spike_factor x the median of the last spike_window losses, restores the last state a
-  # good loss has judged (copies kept in host memory at each train.log_every step that was good;
-  # step n's loss judges the state after step n - 1, so the newest copy waits for the next log
-  # step), skips the batches trained since that state and goes on; after max_rollbacks rollbacks
-  # the next spike stops the run. jaxpar.SpikeGuard is the same guard for a loop of your own.
+  # Loss-spike guard (off at 0; jaxpar.SpikeGuard for a loop of your own): a non-finite loss or
+  # gradient norm, or spike_steps losses in a row above spike_factor x the median of the last
+  # spike_window losses, restores the last state a good loss has judged (a host copy), skips the
+  # batches since and goes on; after max_rollbacks rollbacks the next spike stops the run.
   spike_factor: float = 0.0
   spike_steps: int = 2  # losses in a row above the threshold that make a spike
   spike_window: int = 100  # losses the running median is taken over
   max_rollbacks: int = 3  # rollbacks allowed before a spike stops the run
   # A step that makes no progress this long ends the run (exit 1) with every thread's Python
-  # stack and one sentence naming the processes that stopped answering
-  # (jaxpar/parallel/watchdog.py). 0 = the default: 900 s for the first step (it holds the compile) and for saves and
-  # evaluations, and for later steps the larger of 60 s and 10x the longest wait between steps.
+  # stack and one sentence naming the processes that stopped answering. 0 = the default: 900 s
+  # for the first step, saves and evaluations; later, the larger of 60 s and 10x the longest wait.
   stall_timeout: float = 0.0
   first_step_timeout: float = 0.0  # the same limit for the first step, saves and evaluations
-  # With several processes, a wait on the others (a step's collectives, a save at orbax's
-  # barriers, an evaluation) ends early, before its limit, once a process's heartbeat has stood
-  # still this long, naming it. 0 = the default, 0.3 x the heartbeat timeout JAX is given (60 s of
-  # jaxpar's 200 s: --heartbeat-timeout); at most 0.4 x it: JAX's coordination service aborts
-  # every process for a silent one from half its heartbeat timeout on. A pause shorter than this
-  # (swap, a VM migration) is waited out.
+  # With several processes, a wait on the others ends early once a process's heartbeat has stood
+  # still this long, naming it; a shorter pause is waited out. 0 = the default, 0.3 x the heartbeat
+  # timeout JAX is given (60 s of 200 s: --heartbeat-timeout); at most 0.4 x it, since JAX aborts
+  # every process for a silent one from half its heartbeat timeout on.
   peer_timeout: float = 0.0
-  # Compiled programs kept on disk, so a restart or a second run of the same layout loads its step
-  # instead of compiling it: "" = none if $JAX_ENABLE_COMPILATION_CACHE is false, else
-  # $JAX_COMPILATION_CACHE_DIR if set, else $JAXPAR_COMPILE_CACHE
-  # (a folder or off), else $XDG_CACHE_HOME/jaxpar/xla (~/.cache/jaxpar/xla); "off" = no cache;
-  # else the folder to use.
+  # Compiled programs kept on disk, so a restart loads its step instead of compiling it: "" = none
+  # if $JAX_ENABLE_COMPILATION_CACHE is false, else $JAX_COMPILATION_CACHE_DIR, else
+  # $JAXPAR_COMPILE_CACHE (a folder or off), else ~/.cache/jaxpar/xla; "off" = none; else a folder.
   compile_cache: str = ""
   # The most the cache keeps, in GiB, for JAX's programs (<cache>/jax) and again for jaxpar's
   # stored steps (<cache>/jaxpar-steps): past it the least recently used entries go first (only
@@ -200,11 +181,9 @@ class TrainConfig:
   moe_aux_weight: float = 0.01
   moe_z_weight: float = 0.001  # weight of the router's z-loss (see moe_aux_weight)
   # LoRA (gpt, llama; docs/lora.md): lora_rank > 0 trains rank-r adapters A (in x r) and B
-  # (r x out, zero at the start) beside each weight lora_targets names, each layer running with
-  # W + lora_alpha / lora_rank * A @ B; every other parameter is frozen (no optimizer state, no
-  # gradient reduced). lora_targets: comma-separated layer weights (wq, wk, wv, wo; gpt's w1, w2;
-  # llama's w_gate, w_up, w_down; a mixture's e_* experts and s_* shared experts) or the groups
-  # attention, mlp, experts, shared. 0 = off.
+  # (r x out, zero at first) beside each weight lora_targets names (wq, wk, wv, wo; gpt's w1, w2;
+  # llama's w_gate, w_up, w_down; e_* experts, s_* shared experts; or the groups attention, mlp,
+  # experts, shared): W + lora_alpha / lora_rank * A @ B. The rest is frozen. 0 = off.
   lora_rank: int = 0
   lora_alpha: float = 16.0  # the adapters' scale is lora_alpha / lora_rank (PEFT's)
   lora_targets: str = "attention"
@@ -278,13 +257,11 @@ _POSITIVE = ("model.n_layers", "model.d_model", "model.n_heads", "model.d_ff", "
              "precision.growth_interval", "precision.min_scale", "model.norm_eps", "model.rope_theta",
              "train.spike_steps", "train.spike_window", "model.experts_per_token",
              "model.moe_every", "model.vocab_multiple", "data.lock_timeout")
-# Upper bounds, checked before anything is allocated: a typo such as moe_d_ff=100000000000 is one
-# sentence, not an allocation that fails (or swaps) minutes later. Far above any published
-# model's (DeepSeek-V3: 256 experts of 2,048; Llama 3 405B: d_ff 53,248).
+# Upper bounds, checked before anything is allocated (a typo is one sentence, not an allocation
+# that fails minutes later); far above any published model's (Llama 3 405B: d_ff 53,248).
 _AT_MOST = {"model.d_ff": 2**20, "model.moe_d_ff": 2**20, "model.n_experts": 4096}
-# The most pixels (height x width) of one image jaxpar reads or resizes to (8192 x 8192): a larger
-# image is refused before it is decoded (a PNG of 20000 x 20000 zeros is 400 MB decoded from a few
-# hundred KB on disk: a decompression bomb).
+# The most pixels of one image jaxpar reads or resizes to (8192 x 8192): a larger one is refused
+# before it is decoded (a decompression bomb: 20000 x 20000 zeros are 400 MB from a few KB).
 MAX_IMAGE_PIXELS = 2**26
 _BELOW_ONE = ("train.b1", "train.b2", "model.dropout")  # in [0, 1): Adam's betas, dropout
 _FRACTION = ("train.min_lr_ratio",)  # in [0, 1]: the final learning rate, a fraction of the peak

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
 
 def _tokenizer(args) -> int:
   cli.check_outputs(("--out", args.out, "folder"))
-  from jaxpar.data import bpe
+  from jaxpar.data import bpe  # imports TFDS (through local_text): only once the arguments are read
   paths = bpe.train(args.source, args.out, args.vocab_size, args.max_bytes)
   print(f"wrote {', '.join(paths)}; train on it with --set data.tokenizer={args.out} "
         f"model.vocab_size={args.vocab_size}")

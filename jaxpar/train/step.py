@@ -499,10 +499,8 @@ class Trainer:
     if self.frozen is not None:  # the old leaves themselves, not p + 0 (XLA folds it today)
       params = jax.tree_util.tree_map(lambda new, old, f: old if f else new, params,
                                       state["params"], self.frozen)
-    # The schedule's count moves with the step, skipped steps included (optim.keep_unless), so
-    # this is the rate the update above applied. A tx of one's own reports the rate it injects
-    # (optax.inject_hyperparams), else NaN, which the metrics file writes as null: the config's
-    # schedule is not what it applies.
+    # The schedule's count moves with the step, skipped ones included: the rate applied above. A tx
+    # of one's own reports what it injects (optax.inject_hyperparams), else NaN (null in metrics).
     if self.lr_schedule is not None:
       rate = self.lr_schedule(state["step"])
     elif rate is None:
@@ -519,10 +517,8 @@ class Trainer:
       new["loss_scale"] = precision.next_scale(dyn, ok, self.cfg.precision)
     return new, metrics
 
-  # -- optimizer offload -------------------------------------------------------------------------
-  # The state stays in host memory and is updated a piece at a time (zero.offloaded_update), so
-  # the device never holds all of it. Global-norm clipping needs every gradient at once, so it
-  # runs first, on the device; the rest of optim.make's chain runs piece by piece.
+  # -- optimizer offload: the state stays in host memory, updated a piece at a time
+  # (zero.offloaded_update); global-norm clipping needs every gradient, so it runs first, on device.
 
   def _offloaded_update(self, grads, opt, params, ok):
     """(new params, new state) of the optimizer with its state in host memory. Frozen leaves
