@@ -4,6 +4,8 @@ The training runs are real processes joined by jax.distributed (gloo collectives
 compile with --xla_backend_optimization_level=0 and share a persistent compilation cache, which
 keeps the file fast on two cores; every comparison is between runs compiled alike.
 """
+import contextlib
+import io
 import json
 import os
 import pathlib
@@ -13,10 +15,12 @@ import socket
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import numpy as np
 import pytest
 
+from jaxpar.commands import train as train_command
 from jaxpar.config import ConfigError
 from jaxpar.data import BatchIterator
 from jaxpar.parallel import distributed
@@ -65,6 +69,23 @@ def one_process(workdir, metrics, steps, env, mesh="2x4x1"):
   return r
 
 
+def straight_run(workdir, metrics, steps):
+  """The losses to compare with: train.py's main in this process, on its 8 devices (conftest.py:
+  the flags one_process's child gets, so the same program), without a Python and JAX start-up;
+  no cluster variables, as for the children. Resumes stay in processes of their own (a resume
+  takes the MFU peak from its checkpoint; this process may have measured one already)."""
+  argv = train_args(workdir, metrics, steps)
+  out, err = io.StringIO(), io.StringIO()
+  cluster = [k for k in os.environ if k.startswith(("SLURM_", "OMPI_", "PMI_", "KUBERNETES_"))]
+  with mock.patch.dict(os.environ), contextlib.redirect_stdout(out), \
+       contextlib.redirect_stderr(err):
+    for k in cluster:
+      del os.environ[k]
+    code = train_command.main(argv[1:])
+  assert code == 0, out.getvalue() + err.getvalue()
+  return losses(metrics)
+
+
 def two_processes(workdir, metrics, steps, env, mesh="2x4x1"):
   r = run([LAUNCH, "--processes", "2", "--", *train_args(workdir, metrics, steps, mesh)], env)
   assert r.returncode == 0, r.stdout + r.stderr
@@ -95,9 +116,7 @@ class Runs:
     return self.done[name]
 
   def _reference(self):
-    m = self.tmp / "ref.jsonl"
-    one_process(self.tmp / "ref", m, 7, self.env)
-    self.done["reference"] = losses(m)
+    self.done["reference"] = straight_run(self.tmp / "ref", self.tmp / "ref.jsonl", 7)
 
   def _two_first(self):
     m = self.tmp / "two_first.jsonl"
@@ -318,8 +337,7 @@ def test_sigterm_to_some_processes_stops_all_at_one_step(runs, tmp_path, env):
   # Stopped, resumed and stopped again, the losses are those of one straight run.
   ref = runs.get("reference")  # 7 steps
   if m > max(ref):
-    one_process(tmp_path / "straight", tmp_path / "straight.jsonl", m, env)
-    ref = losses(tmp_path / "straight.jsonl")
+    ref = straight_run(tmp_path / "straight", tmp_path / "straight.jsonl", m)
   got = {**losses(first.metrics), **losses(second.metrics)}
   assert sorted(got) == list(range(1, m + 1))
   for step, loss in got.items():
