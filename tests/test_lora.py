@@ -1,10 +1,11 @@
 """LoRA (train.lora_rank, models/lora.py): the adapters' gradients are the merged weight's
 gradient times the other factor and alpha/r; layouts (ZeRO-3 with tensor parallelism and the
 optimizer offloaded, a pipeline, a context split) train them like one device (fp32: losses and
-adapters within 1e-5, the base weights bit-identical) and resume each other's checkpoints; the
-adapters export as a PEFT folder that `peft` loads onto the original Hugging Face folder, and
-merged as a folder `transformers` loads, both with jaxpar's logits (1e-5 relative); the
-optimizer state is the adapters' alone; bad input is one sentence, exit 2, nothing written."""
+adapters within 1e-5, the base weights bit-identical) and their checkpoints resume on one device
+where the unbroken run goes on; the adapters export as a PEFT folder that `peft` loads onto the
+original Hugging Face folder, and merged as a folder `transformers` loads, both with jaxpar's
+logits (1e-5 relative); the optimizer state is the adapters' alone; bad input is one sentence,
+exit 2, nothing written."""
 import os
 
 import jax
@@ -32,7 +33,9 @@ PLAIN = ["model.kind=llama", "model.n_layers=2", "model.d_model=32", "model.n_he
          "precision.compute_dtype=float32", "train.lr=2e-3", "train.warmup_steps=0",
          "train.clip_norm=0"]
 TINY = PLAIN + ["train.lora_rank=4", "train.lora_alpha=8"]
-MOE = ["model.n_experts=4", "model.experts_per_token=2", "train.lora_targets=wq,wo,experts"]
+# a mixture every other layer: adapters on attention, the dense layer's MLP and the experts
+MOE = ["model.n_experts=4", "model.experts_per_token=2", "model.moe_every=2",
+       "train.lora_targets=wq,wo,mlp,experts"]
 
 
 def cfg_of(*extra):
@@ -98,66 +101,80 @@ def test_a_mixture_every_other_layer_merges_each_layers_own_adapters():
   assert abs(float(got) - float(want)) <= 1e-6 * abs(float(want))
 
 
-def run(cfg, shape, steps=3, **kw):
+def batch(i):
+  return {"tokens": np.roll(tokens(), i, axis=0)}
+
+
+def run(cfg, shape, steps=2, **kw):
+  """(trainer, state, the starting parameters, the losses, the parameters after each step)."""
   t = trainer(cfg, shape, **kw)
   state = t.init(0)
   first = jax.device_get(state["params"])
-  losses = []
-  toks = tokens()
+  losses, after = [], []
   for i in range(steps):
-    state, m = t.step(state, {"tokens": np.roll(toks, i, axis=0)})
+    state, m = t.step(state, batch(i))
     losses.append(float(m["loss"]))
-  return t, state, first, losses
+    after.append(jax.device_get(t.to_logical(state)["params"]))
+  return t, state, first, losses, after
 
 
 LAYOUTS = {  # (mesh, extra keys)
-    # the optimizer offloaded too: the adapters' moments in host memory, updated a piece at a time
+    # the mixture (its experts split over data) with remat and the optimizer offloaded: the
+    # adapters' moments in host memory, updated a piece at a time
     "2x4x1-zero3-remat-offload": ((2, 4, 1), ["parallel.zero_stage=3", "parallel.remat=offload",
                                               "parallel.offload_optimizer=true"]),
     "2x1x2-pipeline-zero2": ((2, 1, 2), ["parallel.zero_stage=2", "parallel.microbatches=2",
                                          "parallel.remat=full"]),
     "1x2x1x2-context": ((1, 2, 1, 2), ["parallel.sequence_parallel=true"]),
-    "2x4x1-zero3": ((2, 4, 1), ["parallel.zero_stage=3"]),  # the experts split over data
 }
-CASES = [("dense", lay) for lay in LAYOUTS if lay != "2x4x1-zero3"] + [("moe", "2x4x1-zero3")]
+CASES = [("moe", "2x4x1-zero3-remat-offload"), ("dense", "2x1x2-pipeline-zero2"),
+         ("dense", "1x2x1x2-context")]
+
+
+def at(tree, path):
+  for k in path:
+    tree = tree[k.key]
+  return tree
+
+
+def check_adapters(got, want, first):
+  """The adapters within 1e-5 of `want`'s, B off zero; the base weights bit-identical to `first`."""
+  for path, x in jax.tree_util.tree_leaves_with_path(got):
+    key = "/".join(str(getattr(k, "key", k)) for k in path)
+    if lora.is_adapter(key):
+      assert rel(x, at(want, path)) < 1e-5, key
+      if key.endswith(lora.B):
+        assert np.any(x), key  # B moved off zero
+    else:  # the base weights: bit-identical to their start, on every layout
+      assert np.array_equal(x, at(first, path)), key
 
 
 @pytest.fixture(scope="module")
 def references():
+  """One unbroken three-step run on one device per model, shared by its layouts."""
   out = {}
 
   def get(name):
     if name not in out:
       cfg = cfg_of(*(MOE if name == "moe" else ["train.lora_targets=attention,mlp"]))
-      out[name] = (cfg, *run(cfg, (1, 1, 1))[1:])
+      t, _, first, losses, after = run(cfg, (1, 1, 1), steps=3)
+      out[name] = (t, first, losses, after)
     return out[name]
   return get
 
 
 @pytest.mark.parametrize("name,layout", CASES, ids=[f"{m}-{lay}" for m, lay in CASES])
 def test_layouts_train_the_adapters_like_one_device(references, name, layout, tmp_path, capsys):
-  cfg, ref_state, first, ref_losses = references(name)
+  """Two steps on the layout, its checkpoint resumed on one device for the third: the losses
+  and adapters of the unbroken one-device run."""
+  ref, first, ref_losses, ref_after = references(name)
   shape, extra = LAYOUTS[layout]
-  t, state, start, losses = run(config.load(None, [*TINY, *(MOE if name == "moe" else
-                                                             ["train.lora_targets=attention,mlp"]),
-                                                   *extra]), shape)
-  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  cfg = cfg_of(*(MOE if name == "moe" else ["train.lora_targets=attention,mlp"]), *extra)
+  t, state, _, losses, after = run(cfg, shape)
+  np.testing.assert_allclose(losses, ref_losses[:2], rtol=1e-5)
   assert losses[-1] < losses[0]  # the adapters learn
-  got, want = jax.device_get(t.to_logical(state)["params"]), jax.device_get(ref_state["params"])
-  for path, x in jax.tree_util.tree_leaves_with_path(got):
-    key = "/".join(str(getattr(k, "key", k)) for k in path)
-    ref = want
-    for k in path:
-      ref = ref[k.key]
-    if lora.is_adapter(key):
-      assert rel(x, ref) < 1e-5, key
-      if key.endswith(lora.B):
-        assert np.any(x), key  # B moved off zero
-    else:  # the base weights: bit-identical to their start, on every layout
-      first_x = first
-      for k in path:
-        first_x = first_x[k.key]
-      assert np.array_equal(x, first_x), key
+  got = after[-1]
+  check_adapters(got, ref_after[1], first)
   # the optimizer holds the adapters' moments only
   opt_leaves = jax.tree_util.tree_leaves(state["opt"])
   n_adapter = sum(np.size(x) for p, x in jax.tree_util.tree_leaves_with_path(got)
@@ -165,12 +182,16 @@ def test_layouts_train_the_adapters_like_one_device(references, name, layout, tm
   assert sum(x.size for x in opt_leaves if x.ndim) == 2 * n_adapter
   if t.cfg.parallel.offload_optimizer:  # and they stay in host memory
     assert {x.sharding.memory_kind for x in opt_leaves} == {"pinned_host"}
-  # its checkpoint resumes on one device: the same adapters
+  # its checkpoint resumes on one device: the same adapters, and the third step of the
+  # unbroken run (the moments and step count came along)
   t.save(str(tmp_path), state)
-  back = trainer(cfg, (1, 1, 1)).load(str(tmp_path))
+  back = ref.load(str(tmp_path))
   for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(back["params"])),
                   jax.tree_util.tree_leaves(got)):
     assert np.array_equal(a, b)
+  back, m = ref.step(back, batch(2))
+  np.testing.assert_allclose(float(m["loss"]), ref_losses[2], rtol=1e-5)
+  check_adapters(jax.device_get(ref.to_logical(back)["params"]), ref_after[2], first)
   if name == "moe":  # the experts' adapters have no PEFT layout: one sentence, nothing written
     out = tmp_path / "adapter"
     capsys.readouterr()
