@@ -162,6 +162,26 @@ def test_frozen_with_the_configs_adamw_keeps_them_bit_identical_and_out_of_the_n
       assert np.all(u != 0), path
 
 
+def test_frozen_parameters_with_the_optimizer_offloaded_train_like_one_device():
+  """The config's AdamW, its clipping active, with a frozen embedding and the optimizer in host
+  memory on 4x1x1 ZeRO-3: one device's losses and parameters, the embedding bit-identical."""
+  keys = ("train.lr=1e-2", "train.warmup_steps=0", "train.clip_norm=0.05")
+  ref = trainer("1x1x1", *keys, frozen=frozen_emb)
+  t = trainer("4x1x1", *keys, "parallel.zero_stage=3", "parallel.offload_optimizer=true",
+              frozen=frozen_emb)
+  a, b = ref.init(0), t.init(0)
+  emb = np.array(jax.device_get(b["params"]["emb"]["embedding"]))
+  for _ in range(2):
+    a, m_ref = ref.step(a, batch())
+    b, m = t.step(b, batch())
+    assert float(m["loss"]) == pytest.approx(float(m_ref["loss"]), rel=1e-5)
+  for x, y in zip(jax.tree_util.tree_leaves(jax.device_get(b["params"])),
+                  jax.tree_util.tree_leaves(jax.device_get(a["params"]))):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+  assert np.asarray(jax.device_get(b["params"]["emb"]["embedding"])).tobytes() == emb.tobytes()
+  assert {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(b["opt"])} == {"pinned_host"}
+
+
 def traced_bytes(jaxpr, acc=None) -> dict:
   """{primitive name: bytes of its results} over a jaxpr and every jaxpr inside it (shard_map's,
   custom_vjp's, scan's bodies), each counted once."""
