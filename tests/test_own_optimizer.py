@@ -242,6 +242,9 @@ def test_the_logged_rate_is_nan_without_an_injected_one_and_offload_is_refused()
   assert np.isnan(float(m["learning_rate"])) and np.isfinite(float(m["loss"]))
   with pytest.raises(jaxpar.ConfigError, match=r"offload_optimizer .* cannot take a tx of your own"):
     trainer("2x1x1", "parallel.offload_optimizer=true", tx=optax.sgd(1e-2))
+  # the offloaded update applies the config's decay mask, so one of your own is refused, not dropped
+  with pytest.raises(jaxpar.ConfigError, match=r"offload_optimizer .* cannot take a decay_mask"):
+    trainer("2x1x1", "parallel.offload_optimizer=true", decay_mask=lambda path: False)
   with pytest.raises(jaxpar.ConfigError, match=r"decay_mask chooses what the config's AdamW decays"):
     trainer("1x1x1", tx=optax.sgd(1e-2), decay_mask=lambda path: False)
 

@@ -93,10 +93,10 @@ class Trainer:
                           "give your own transformation its mask, e.g. optax.adamw(lr, mask=...)")
       self.tx = optim.with_frozen(tx, self.frozen)
       self.lr_schedule = None  # the logged rate is tx's own injected hyperparameter, if any
-    if pc.offload_optimizer and tx is not None:
-      raise ConfigError("parallel.offload_optimizer updates the config's AdamW one parameter at a "
-                        "time and cannot take a tx of your own; set "
-                        "parallel.offload_optimizer=false")
+    if pc.offload_optimizer and (tx is not None or decay_mask is not None):
+      raise ConfigError(f"parallel.offload_optimizer updates the config's AdamW (its own decay mask) "
+                        f"one parameter at a time and cannot take a "
+                        f"{'tx' if tx is not None else 'decay_mask'} of your own; set it to false")
     # Where the state lives (train/layout.py); its names are the trainer's too.
     self.state_layout = L = StateLayout(cfg, mesh, model, self.tx, table)
     self.specs, self.layout, self.schedule = L.specs, L.zero, L.schedule
