@@ -276,7 +276,8 @@ def test_the_step_store_keys_what_makes_the_step_and_a_bad_entry_is_a_miss(
              "data.split": "test", "data.data_dir": "/d", "data.path": "/p",
              "data.max_bytes": 5, "data.eval_split": "test", "data.augment": True,
              "data.tokenizer": "/t.json", "data.workers": 0, "data.image_size": "8x8",
-             "data.long_records": "split", "data.packing": "stream", "train.seed": 5}
+             "data.long_records": "split", "data.packing": "stream", "data.lock_timeout": 10.0,
+             "train.seed": 5}
   assert sorted(changed) == sorted(executables.EXCLUDED + ("train.seed",))
   for name, value in changed.items():
     section, field = name.split(".")

@@ -211,7 +211,8 @@ def _env() -> dict[str, str]:
   env = {k: v for k, v in sorted(os.environ.items())
          if k.startswith(_ENV_PREFIXES) and not k.startswith(_QUIET_ENV)}
   if "XLA_FLAGS" in env:
-    env["XLA_FLAGS"] = _DEVICE_COUNT_FLAG.sub("", env["XLA_FLAGS"]).strip()
+    # the flags as words: where the count was dropped, the spaces around it do not count
+    env["XLA_FLAGS"] = " ".join(_DEVICE_COUNT_FLAG.sub("", env["XLA_FLAGS"]).split())
     if not env["XLA_FLAGS"]:
       del env["XLA_FLAGS"]
   return env
