@@ -54,14 +54,18 @@ def segment_ids(rows: int, width: int, seed: int = 0) -> np.ndarray:
   return (doc - doc[:, :1] + 1).astype(np.int32)
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--mesh", default="2x4x1")
   p.add_argument("--seq-len", type=int, default=0, help="model.seq_len (0: the default's)")
   p.add_argument("--steps", type=int, default=4, help="steps per timed run")
   p.add_argument("--rounds", type=int, default=6, help="timed runs of each form, alternated")
   p.add_argument("--out", default=DEFAULT_OUT)
-  args = p.parse_args(argv)
+  return p
+
+
+def main(argv=None) -> int:
+  args = parser().parse_args(argv)
   shape = jmesh.parse(args.mesh)
   n = int(np.prod(shape))
   cfg = jconfig.load(None, [f"model.seq_len={args.seq_len}"] if args.seq_len else [])

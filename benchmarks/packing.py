@@ -114,7 +114,7 @@ def step_rates(cfg, layouts: dict, steps: int, rounds: int) -> dict:
   return out
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--records", type=int, default=2000)
   p.add_argument("--seq-len", type=int, default=2047, help="model.seq_len (windows of T + 1)")
@@ -122,7 +122,11 @@ def main(argv=None) -> int:
   p.add_argument("--steps", type=int, default=3, help="steps per timed run")
   p.add_argument("--rounds", type=int, default=6, help="timed runs of each layout, alternated")
   p.add_argument("--out", default=DEFAULT_OUT)
-  args = p.parse_args(argv)
+  return p
+
+
+def main(argv=None) -> int:
+  args = parser().parse_args(argv)
   results = {"host_cpu": _jaxpar_bench.host_cpu(), "jax": jax.__version__,
              "load_average_at_start": os.getloadavg()[0], "records": args.records,
              "lengths": f"log-uniform in [{SHORTEST}, {LONGEST}] tokens", "seq_len": args.seq_len}
