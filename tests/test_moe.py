@@ -386,20 +386,42 @@ def test_expert_parallel_layout_matches_one_device(references, kind, shape, stag
 def test_capacity_with_two_experts_a_device_matches_the_experts_whole_on_each():
   """A capacity factor caps an expert at C = ceil(f x A / E) of each device's A rows, so the
   reference is the same data-parallel mesh with every expert whole on each device (no exchange):
-  the experts split 4 ways, two a device, give its losses, router metrics and gradients. At
+  the experts split 4 ways, two a device, give its losses, router metrics and gradients, alone
+  and with their width split over `model` under ZeRO-3 (the slots cross split along D). At
   f = 1 (C = 8 of 64 rows) some rows drop, and an owner may take up to 2 C of a sender's rows:
   its buffer must hold C x E/d rows, not C."""
   from jaxpar.parallel import rules
-  cfg = make_cfg("model.capacity_factor=1.0")
+  cfg = make_cfg("model.kind=llama", "model.capacity_factor=1.0")
   data = batches(cfg, 2)
   ref_losses, ref_metrics, ref_grads = train(cfg, (4, 1, 1), data,
                                              rules=rules.extended({"expert": None}))
-  losses, metrics, grads = train(cfg, (4, 1, 1), data)
-  np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
-  for name in ROUTER_METRICS + ("moe_dropped",):
-    np.testing.assert_allclose(metrics[name], ref_metrics[name], rtol=RTOL, err_msg=name)
-  assert_trees_close(grads, ref_grads, "gradient")
   assert ref_metrics["moe_dropped"] > 0.01
+  for shape, stage in [((4, 1, 1), 0), ((4, 2, 1), 3)]:
+    losses, metrics, grads = train(config.override(cfg, parallel={"zero_stage": stage}), shape,
+                                   data)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL, err_msg=str(shape))
+    for name in ROUTER_METRICS + ("moe_dropped",):
+      np.testing.assert_allclose(metrics[name], ref_metrics[name], rtol=RTOL, err_msg=name)
+    assert_trees_close(grads, ref_grads, "gradient")
+
+
+@pytest.mark.parametrize("glu", [True, False], ids=["swiglu", "gelu"])
+def test_the_capacity_slots_gradients_equal_autodiffs_of_plain_gathers(monkeypatch, glu):
+  """The capacity's slots move rows by gathers both ways, each move's backward written as the
+  other gather (moe._dispatch, moe._combine): the gradients for the weights and the input equal
+  JAX's own of the plain gathers (whose transposes are scatter-adds), some rows dropped."""
+  cfg = make_cfg("model.capacity_factor=0.45").model
+  p = layer_params(cfg, glu)
+  h = jax.random.normal(jax.random.key(1), (2, 16, cfg.d_model))
+  c = jax.random.normal(jax.random.key(2), h.shape)
+  loss = lambda p, h: jnp.sum(moe.mlp(p, h, cfg)[0] * c)
+  got = jax.jit(jax.grad(loss, (0, 1)))(p, h)
+  k = cfg.experts_per_token
+  monkeypatch.setattr(moe, "_dispatch", lambda k_, x, slot, held: moe._gather(
+      x, jnp.where(held < slot.shape[0], held // k, x.shape[0])))
+  monkeypatch.setattr(moe, "_combine", lambda out, slot, held: moe._gather(out, slot))
+  want = jax.jit(jax.grad(loss, (0, 1)))(p, h)
+  assert_trees_close(got, want, "gradient")
 
 
 # the accelerators' path (jax.lax.ragged_dot, grouped.RAGGED_DOT_ON_CPU, and the ragged exchange,
@@ -627,9 +649,9 @@ def exchange_floor(cfg, shape):
 
 @pytest.mark.parametrize("shape,factor,remat", [
     ((8, 1, 1), 0.0, "none"), ((8, 1, 1), 1.0, "none"), ((8, 1, 1), 0.0, "dots_saveable"),
-    ((8, 1, 1), 0.0, "offload"), ((2, 4, 1), 0.0, "none")],
+    ((8, 1, 1), 0.0, "offload"), ((2, 4, 1), 0.0, "none"), ((4, 2, 1), 1.0, "none")],
     ids=["dropless", "capacity-1", "dropless-remat_dots_saveable", "dropless-remat_offload",
-         "dropless-2x4x1"])
+         "dropless-2x4x1", "capacity-1-4x2x1"])
 def test_all_to_all_bytes_per_moe_layer_follow_the_buffer_formula(shape, factor, remat):
   """Per device, per MoE layer and step, the all-to-alls in the layers' loop (hlo's result bytes)
   are `exchange_floor`: the block's checkpoint keeps moe.SAVED, so the backward runs no exchange

@@ -6,7 +6,8 @@ the CPU, whose ragged_dot is a masked dense matmul), so no (tokens x experts x w
 made, and each token's k outputs are summed with the router's weights.
 Dropless by default: every expert takes all its tokens. With model.capacity_factor an expert
 takes at most C = ceil(factor x tokens x k / E) of a device's tokens, earliest first, and the rest
-skip it (the block's residual carries them). Shared experts (model.shared_experts) are one dense
+skip it (the block's residual carries them); the kept rows then take fixed slots, C an expert,
+and each expert runs one batched matmul on its slots (`_slotted`: no sort, no tiles). Shared experts (model.shared_experts) are one dense
 MLP every token goes through, split over `model` like the dense block's, its output scaled per
 token by sigmoid(h . shared_gate) with model.shared_expert_gate (Qwen2-MoE's).
 
@@ -19,7 +20,9 @@ F an expert's width.
 """
 from __future__ import annotations
 
+import functools
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -124,37 +127,28 @@ def mlp(p: dict, h: jax.Array, cfg: ModelConfig, manual=frozenset()) -> tuple[ja
   counts = jnp.zeros((E,), jnp.int32).at[flat].add(1)  # (E,) rows per expert
   starts = jnp.cumsum(counts) - counts
   A = N * k
+  axis = expert.owner_axis(manual)
+  d = 1 if axis is None else jax.lax.axis_size(axis)
   if cfg.capacity_factor:
     C = math.ceil(cfg.capacity_factor * A / E)
-    rank = _rank_in_group(flat, starts)  # earlier tokens first, as a stable sort orders them
+    rank = _rank_in_group(flat, starts, E)  # earlier tokens first, as a stable sort orders them
     keep = rank < C
-    group_sizes = jnp.minimum(counts, C)
-    key = jnp.where(keep, flat, E)  # dropped rows sort last, past every group
+    if d == 1 or E // d * C <= A:  # slots: no sort, no tiles, buffers no larger than A rows
+      out = _slotted(p, x, flat, rank, keep, C, glu, axis, manual)
+    else:  # an owner's buffers of E/d x C rows would exceed all the rows: the sorted exchange's
+      order = jnp.argsort(jnp.where(keep, flat, E), stable=True)  # dropped rows sort last
+      out = expert.run_owned(x[order // k], jnp.minimum(counts, C), _grouped(p, x, glu, manual),
+                             A, axis, manual)[jnp.argsort(order)]
   else:
-    C, keep, group_sizes, key = A, None, counts, flat
-  order = jnp.argsort(key, stable=True)  # (A,) rows sorted by expert
-  rows = x[order // k]  # (A, D)
-
-  def experts_fn(rows, sizes):  # this device's experts on rows sorted by them
-    tiles = grouped.layout(sizes, rows.shape[0])  # once for the experts' matmuls
-    dot = lambda a, name: grouped.matmul(a, p[name].astype(x.dtype), sizes, tiles)
-    rows = checkpoint_name(rows, "moe_rows")
-    if glu:
-      hid = jax.nn.silu(checkpoint_name(dot(rows, "e_gate"), "moe_gate")) * checkpoint_name(
-          dot(rows, "e_up"), "moe_up")
-    else:
-      hid = jax.nn.gelu(checkpoint_name(dot(rows, "e_w1"), "moe_up"))
-    hid = constrain(hid, (None, "mlp"), manual=manual)  # (M, F), F split over `model`
-    return dot(hid, "e_down" if glu else "e_w2")
-
-  axis = expert.owner_axis(manual)
-  if axis is None:
-    out = experts_fn(rows, group_sizes)
-  else:  # a buffer per owner holds at most its experts' capacity, and at most every row
-    capacity = min(A, C * (E // jax.lax.axis_size(axis)))
-    out = expert.run_owned(rows, group_sizes, experts_fn, capacity, axis, manual)
-  out = checkpoint_name(out, "moe_out")
-  out = out[jnp.argsort(order)].reshape(N, k, D)  # back in token order
+    keep = None
+    order = jnp.argsort(flat, stable=True)  # (A,) rows sorted by expert
+    rows, compute = x[order // k], _grouped(p, x, glu, manual)
+    if axis is None:
+      out = compute(rows, counts)
+    else:  # an owner's buffer may hold every row
+      out = expert.run_owned(rows, counts, compute, A, axis, manual)
+    out = out[jnp.argsort(order)]  # back in row order
+  out = checkpoint_name(out, "moe_out").reshape(N, k, D)
   if keep is not None:
     weights = jnp.where(keep.reshape(N, k), weights, 0.0)
   y = jnp.einsum("nkd,nk->nd", out, weights.astype(out.dtype)).reshape(B, T, D)
@@ -179,8 +173,101 @@ def mlp(p: dict, h: jax.Array, cfg: ModelConfig, manual=frozenset()) -> tuple[ja
   return y, metrics
 
 
-def _rank_in_group(flat: jax.Array, starts: jax.Array) -> jax.Array:
-  """Each row's place among the rows of its expert, in row order: flat (A,) experts -> (A,)."""
+def _experts(p: dict, rows: jax.Array, glu: bool, dot, hidden_axes, manual) -> jax.Array:
+  """The experts' MLP on rows by `dot(a, name)` (a grouped or a batched matmul with the weight
+  `name`); hidden_axes: the logical axes of the hidden activations, F split over `model`."""
+  rows = checkpoint_name(rows, "moe_rows")
+  if glu:
+    hid = jax.nn.silu(checkpoint_name(dot(rows, "e_gate"), "moe_gate")) * checkpoint_name(
+        dot(rows, "e_up"), "moe_up")
+  else:
+    hid = jax.nn.gelu(checkpoint_name(dot(rows, "e_w1"), "moe_up"))
+  hid = constrain(hid, hidden_axes, manual=manual)
+  return dot(hid, "e_down" if glu else "e_w2")
+
+
+def _grouped(p: dict, x: jax.Array, glu: bool, manual) -> Callable:
+  """compute(rows (M, D) sorted by expert, sizes (El,)) -> (M, D): this device's experts as grouped
+  matmuls (rows past the sizes' sum are padding)."""
+  def compute(rows, sizes):
+    tiles = grouped.layout(sizes, rows.shape[0])  # once for the experts' matmuls
+    dot = lambda a, name: grouped.matmul(a, p[name].astype(x.dtype), sizes, tiles)
+    return _experts(p, rows, glu, dot, (None, "mlp"), manual)
+  return compute
+
+
+def _slotted(p: dict, x: jax.Array, flat, rank, keep, C: int, glu: bool, axis, manual):
+  """A capacity's experts on fixed slots: row a (token a // k's choice a % k) takes slot rank[a]
+  of its expert's C, a buffer (E, C, D) is gathered from x with zeros in the empty slots, each
+  expert multiplies its C rows by one batched matmul (no sort, no tiles: GShard's layout, made by
+  gathers rather than one-hot einsums, whose work grows with tokens squared), and each kept row
+  reads its slot back: (A, D), zeros for the dropped rows. With the experts split over `axis`
+  the buffers cross as they are (expert.run_slotted)."""
+  (N, D), A, E = x.shape, flat.shape[0], p["router"].shape[-1]
+  k = A // N
+  slot = jnp.where(keep, flat * C + rank, E * C)  # (A,): E*C for a dropped row
+  held = jnp.full((E * C,), A, jnp.int32).at[slot].set(jnp.arange(A, dtype=jnp.int32),
+                                                       mode="drop")  # each slot's row, A: none
+  buf = _dispatch(k, x, slot, held).reshape(E, C, D)
+  dot = lambda a, name: jnp.einsum("gmd,gdf->gmf", a, p[name].astype(x.dtype))
+  compute = lambda rows: _experts(p, rows, glu, dot, (None, None, "mlp"), manual)
+  out = compute(buf) if axis is None else expert.run_slotted(buf, compute, axis, manual)
+  return _combine(out.reshape(E * C, D), slot, held)
+
+
+def _gather(x: jax.Array, idx: jax.Array) -> jax.Array:
+  """x[idx] along the first axis, zeros where idx is past its end."""
+  n = x.shape[0]
+  return jnp.where((idx < n)[:, None], x[jnp.minimum(idx, n - 1)], 0)
+
+
+# The slots' moves as gathers both ways: slot and held are inverse maps between the A rows and the
+# E*C slots (a row's slot, a slot's row; past the end for none), so each move's transpose is the
+# other gather, not a scatter-add (which XLA:CPU runs serially)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dispatch(k, x, slot, held):
+  """x (N, D) -> (E*C, D): each slot's row's token (row a is token a // k's), zeros in the empty
+  slots."""
+  return _gather(x, jnp.where(held < slot.shape[0], held // k, x.shape[0]))
+
+
+def _dispatch_fwd(k, x, slot, held):
+  return _dispatch(k, x, slot, held), (slot, held)
+
+
+def _dispatch_bwd(k, res, ct):  # a token's cotangent: the sum of its k rows' slots'
+  slot, held = res
+  A, D = slot.shape[0], ct.shape[-1]
+  return _gather(ct, slot).reshape(A // k, k, D).sum(1), None, None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@jax.custom_vjp
+def _combine(out, slot, held):
+  """out (E*C, D) -> (A, D): each row's slot's output, zeros for a dropped row."""
+  return _gather(out, slot)
+
+
+def _combine_fwd(out, slot, held):
+  return _combine(out, slot, held), (slot, held)
+
+
+def _combine_bwd(res, ct):
+  slot, held = res
+  return _gather(ct, held), None, None
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def _rank_in_group(flat: jax.Array, starts: jax.Array, E: int) -> jax.Array:
+  """Each row's place among the rows of its expert, in row order: flat (A,) experts -> (A,). A
+  running count of the rows' one-hot (A, E) where that is small, else a stable sort."""
+  if flat.shape[0] * E <= 1 << 22:
+    onehot = flat[:, None] == jnp.arange(E, dtype=flat.dtype)
+    return jnp.sum(jnp.where(onehot, jnp.cumsum(onehot, 0, dtype=jnp.int32), 0), -1) - 1
   order = jnp.argsort(flat, stable=True)
   place = jnp.zeros_like(order).at[order].set(jnp.arange(flat.shape[0], dtype=order.dtype))
   return place - starts[flat]

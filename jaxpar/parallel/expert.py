@@ -4,7 +4,8 @@ parallelism), and each token's rows carried to the device that owns its expert a
 all-to-all, inside the step's shard_map that is manual over that axis.
 
 models/moe.py sorts a device's (token, expert) rows by expert and calls `run_owned` with the
-function that runs its experts; this module decides whether that needs an exchange and does it.
+function that runs its experts, or, with a capacity, lays them out in each expert's C slots and
+calls `run_slotted`; this module does the exchange.
 The exchange has static shapes: each device sends every other device a buffer of `capacity` rows
 (all of its rows when dropless, so no expert can overflow), which the receiver sorts by its own
 experts for one grouped matmul. Rows past the count a buffer holds are padding: sent, never
@@ -184,6 +185,26 @@ def token_mean(x, manual=frozenset()):
   device (the shards hold equally many tokens)."""
   axes = tuple(a for a in (DATA, CONTEXT) if a in _manual_now(manual))
   return jax.lax.pmean(x, axes) if axes else x
+
+
+def run_slotted(buf: jax.Array, compute: Callable, axis: str, manual=frozenset()) -> jax.Array:
+  """compute's outputs for a capacity's slots, buf (E, C, D): expert e's rows in buf[e], zeros in
+  the empty slots, each expert's slots computed on the device of `axis` that owns it.
+  compute(rows (El, M, D)) -> (El, M, D) runs this device's El experts on M rows each. The
+  buffers cross as they are, E/d x C rows for each owner (an expert's C slots from each sender),
+  split along D over `width_axis` where that splits the experts' width; the result comes back
+  split so."""
+  E, C, D = buf.shape
+  d = jax.lax.axis_size(axis)
+  El = E // d
+  split = width_axis(D, manual)
+  along_d = lambda x, a: x if split is None else jax.lax.with_sharding_constraint(
+      x, P(*(None,) * (x.ndim - 1), a))
+  move = lambda x: _linear(functools.partial(_tiled_all_to_all, axis=axis), (), x, split)
+  recv = along_d(move(buf.reshape(d, El * C, D)), None)  # (d, El*C, D): [s] from sender s
+  rows = recv.reshape(d, El, C, D).transpose(1, 0, 2, 3).reshape(El, d * C, D)
+  out = compute(rows).reshape(El, d, C, D).transpose(1, 0, 2, 3).reshape(d, El * C, D)
+  return move(along_d(out, split)).reshape(E, C, D)  # [j] from owner j: its experts' slots
 
 
 def run_owned(rows: jax.Array, group_sizes: jax.Array, compute: Callable, capacity: int,
