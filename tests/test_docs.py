@@ -22,6 +22,8 @@ import sys
 import yaml
 from conftest import child_env
 
+from jaxpar.commands import dataset as dataset_command
+from jaxpar.commands import export as export_command
 from jaxpar.commands import plan as plan_command
 from jaxpar.commands import train as train_command
 
@@ -82,8 +84,12 @@ def fast(argv: list[str]) -> list[str]:
 
 # Commands whose mesh has this process's 8 devices run in it (their main, in the same folder),
 # which saves each a Python and JAX start-up; so do plan.py's searches of 8 devices (--auto
-# --devices 8) and of none (--analytic: formulas only); the others pick their own device count.
-IN_PROCESS = {"scripts/train.py": train_command.main, "scripts/plan.py": plan_command.main}
+# --devices 8) and of none (--analytic: formulas only), export.py (it reads the checkpoint as
+# whole numpy arrays, on no mesh) and dataset.py (no JAX); the others pick their own device count
+# (generate.py on one device too: it checks the mesh against the devices it finds).
+IN_PROCESS = {"scripts/train.py": train_command.main, "scripts/plan.py": plan_command.main,
+              "scripts/export.py": export_command.main,
+              "scripts/dataset.py": dataset_command.main}
 
 
 def _devices(mesh: str) -> int:
@@ -94,6 +100,8 @@ def here(argv: list[str]) -> bool:
   """Whether the command runs in this process: its devices are this process's 8, or none."""
   if argv[0] not in IN_PROCESS:
     return False
+  if argv[0] in ("scripts/export.py", "scripts/dataset.py"):
+    return True
   if "--mesh" in argv:
     return _devices(argv[argv.index("--mesh") + 1]) == 8
   if argv[0] == "scripts/plan.py" and "--analytic" in argv:
@@ -101,10 +109,21 @@ def here(argv: list[str]) -> bool:
   return "--auto" in argv and "--devices" in argv and argv[argv.index("--devices") + 1] == "8"
 
 
+def _exit(code):
+  raise SystemExit(code)
+
+
 def in_process(argv, folder, monkeypatch, capsys) -> subprocess.CompletedProcess:
   monkeypatch.chdir(folder)
   capsys.readouterr()
-  code = IN_PROCESS[argv[0]](argv[1:])
+  # the scripts end the process at once after a signal or a RunError (cli.guard): here that is
+  # the exit code the test reads, not the end of the test session
+  with monkeypatch.context() as m:
+    m.setattr(os, "_exit", _exit)
+    try:
+      code = IN_PROCESS[argv[0]](argv[1:])
+    except SystemExit as e:
+      code = e.code
   out = capsys.readouterr()
   return subprocess.CompletedProcess(argv, code, out.out, out.err)
 
