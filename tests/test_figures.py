@@ -212,6 +212,27 @@ def moe_row(mesh: str) -> list[str]:
           comma(med["moe_capacity"]), r(c["moe_capacity_over_dense"], 3)]
 
 
+def vs_maxtext_row(name: str) -> list[str]:
+  """A layout's row of docs/performance.md's MaxText table: tokens/s of each side, the ratio,
+  per CPU second, compile s, compiled MiB per device, all-to-all MiB per step and the other
+  collectives' MiB per step of each side."""
+  lay = ref("vs_maxtext")["layouts"][name]
+  j, m = lay["jaxpar"], lay["maxtext"]
+  other = [sum(v for k, v in s["collectives"].items() if k != "all-to-all") / MiB for s in (j, m)]
+  return [comma(j["tokens_per_sec"]), comma(m["tokens_per_sec"]), r(lay["ratio_tokens_per_sec"]),
+          r(lay["ratio_tokens_per_cpu_s"]), r(j["compile_s"], 1), r(m["compile_s"], 1),
+          r(j["memory"]["bytes"] / MiB, 1), r(m["memory"]["bytes"] / MiB, 1),
+          r(j["collectives"]["all-to-all"] / MiB, 2), r(m["collectives"]["all-to-all"] / MiB, 2),
+          r(other[0], 1), r(other[1], 1)]
+
+
+# the MaxText table's rows (docs/performance.md): layout, its first cell
+VS_MAXTEXT = [("one_device_dense", "dense, one device"), ("one_device_moe", "MoE, one device"),
+              ("fsdp", "dense, FSDP 8"), ("data_tensor", "dense, data 4 x tensor 2"),
+              ("pipeline", "dense, data 2 x pipeline 4"), ("experts_8", "MoE, experts 8"),
+              ("experts_tensor", "MoE, experts 4 x tensor 2")]
+
+
 def peak(stage: int) -> str:
   return r(zero(stage)["compiled"]["peak_bytes"] / 1e6)
 
@@ -322,6 +343,17 @@ QUOTED = [
      lambda: [v for i in (0, 1) for v in (mac_check(1, "s")[i], mac_check(3, "%")[i])]),
     ("docs/checkpoints.md", "under 1 ms for all of JAX's programs a restart loads ({} and {} ms",
      lambda: mac_check(1, "ms")),
+    # jaxpar against MaxText 0.2.5 (benchmarks/vs_maxtext.py)
+    *[("docs/performance.md", f"| {label} | {{}} | {{}} | **{{}}** | {{}} | {{}} / {{}} | {{}} / {{}} | "
+       "{} / {} | {} / {} |", lambda n=name: vs_maxtext_row(n)) for name, label in VS_MAXTEXT],
+    ("docs/performance.md", "load average {} at the start, {} at the end; {} minutes in all",
+     lambda: [r(ref("vs_maxtext")["load_average_at_start"][0], 1),
+              r(ref("vs_maxtext")["load_average_at_end"][0], 1),
+              r(ref("vs_maxtext")["wall_s"] / 60, 1)]),
+    ("docs/moe.md", "jaxpar's mixture runs at {}x MaxText's tokens/s on one device, {}x with the "
+     "experts split 8 ways and {}x with experts 4 x tensor 2",
+     lambda: [r(ref("vs_maxtext")["layouts"][n]["ratio_tokens_per_sec"])
+              for n in ("one_device_moe", "experts_8", "experts_tensor")]),
 ]
 
 
