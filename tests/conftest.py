@@ -15,7 +15,10 @@ import tempfile
 # LLVM at -O0: the suite's programs are small and compiled once or twice each, so compiling them
 # (not running them) is most of its time, and -O0 halves that. XLA's own HLO passes (fusion,
 # sharding, buffer assignment: what the memory and collective tests read) run as at -O2.
-FAST_XLA = "--xla_backend_optimization_level=0"
+# Codegen in one piece: XLA:CPU otherwise splits each program's LLVM module to compile the parts
+# on a thread pool, which on the suite's two cores (two workers) only adds the splitting's cost;
+# one piece compiles the tests' programs 8-12% faster, to the same HLO, memory figures and bits.
+FAST_XLA = "--xla_backend_optimization_level=0 --xla_cpu_parallel_codegen_split_count=1"
 
 
 def child_env(*drop: str) -> dict:

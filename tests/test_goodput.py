@@ -17,6 +17,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from conftest import FAST_XLA
 from output_fields import undocumented
 
 from jaxpar import config
@@ -26,7 +27,7 @@ from jaxpar.train import loop
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "scripts" / "train.py")
 PLAN = str(ROOT / "scripts" / "plan.py")
-FAST_COMPILE = "--xla_backend_optimization_level=0"
+FAST_COMPILE = FAST_XLA  # conftest's: compiled as the rest of the suite compiles
 TINY = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.d_ff=64",
         "model.seq_len=16", "train.batch_size=4", "data.source=synthetic",
         "train.log_every=1", "train.steps=3", "data.workers=0"]

@@ -32,6 +32,7 @@ import time
 import uuid
 
 import pytest
+from conftest import FAST_XLA
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "scripts" / "train.py")
@@ -42,7 +43,7 @@ TINY = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.d_ff=6
         # A learning rate that does not depend on train.steps, which --steps sets per run.
         "train.warmup_steps=0", "train.min_lr_ratio=1.0"]
 MESH = "2x1x1"  # one device per process: the data axis and ZeRO-3's gathers cross processes
-FAST_COMPILE = "--xla_backend_optimization_level=0"
+FAST_COMPILE = FAST_XLA  # conftest's: compiled as the rest of the suite compiles
 TAG = "JAXPAR_LAUNCHER_TEST_TAG"
 
 

@@ -1,8 +1,8 @@
 """Processes on loopback: one process's losses, shared checkpoints, one stop, clear failures.
 
 The training runs are real processes joined by jax.distributed (gloo collectives on CPU). They
-compile with --xla_backend_optimization_level=0 and share a persistent compilation cache, which
-keeps the file fast on two cores; every comparison is between runs compiled alike.
+compile as the rest of the suite does (conftest.FAST_XLA) and share a persistent compilation
+cache, which keeps the file fast on two cores; every comparison is between runs compiled alike.
 """
 import contextlib
 import io
@@ -19,6 +19,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
+from conftest import FAST_XLA
 
 from jaxpar.commands import train as train_command
 from jaxpar.config import ConfigError
@@ -33,7 +34,7 @@ TINY = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.d_ff=6
         "parallel.zero_stage=3", "precision.param_dtype=float32", "precision.compute_dtype=float32",
         # A learning rate that does not depend on train.steps, which --steps sets per run.
         "train.warmup_steps=0", "train.min_lr_ratio=1.0"]
-FAST_COMPILE = "--xla_backend_optimization_level=0"
+FAST_COMPILE = FAST_XLA  # conftest's: compiled as the rest of the suite compiles
 
 
 def free_port() -> int:
