@@ -263,7 +263,8 @@ QUOTED = [
     ("README.md", "{}x the full recompute's tokens/s", lambda: generation()[3:4]),
     ("README.md", "{} of HF transformers + torch's tokens/s", lambda: vs_pytorch()[:1]),
     ("README.md", "8 experts top-2 at {}x (dropless) and {}x (capacity factor 1.25) the tokens/s "
-     "of the dense model of the same active parameters on one CPU device", lambda: moe_ratios()[:2]),
+     "of the dense model of the same active parameters on one CPU device, {}x and {}x on 8 with "
+     "the experts split", lambda: moe_ratios()),
     ("docs/moe.md", "| 1x1x1 (one CPU device) | {} | {} | {}x | {} | {}x |",
      lambda: moe_row("1x1x1")),
     ("docs/moe.md", "| 8x1x1 (8 simulated devices, one expert each) | {} | {} | {}x | {} | {}x |",
