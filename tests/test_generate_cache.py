@@ -182,6 +182,30 @@ def test_stop_token_ends_each_row(model, greedy):
   assert sampler.generate(["hi"], NEW, temperature=0, stop_token=stop) == [sampler.codec.decode(cut)]
 
 
+def test_two_stop_ids_stop_each_row_at_whichever_comes_first(model, greedy):
+  """A set of stop ids: each row stops at its first token that is any of them (kept, then
+  repeated), the rows at different ids; the text is cut before it; an int is the set of one."""
+  sampler = model[2]
+  first = lambda row, ids: next((i for i, t in enumerate(row) if t in ids), len(row))
+  # a pair where row 0 meets `a` before `b` and row 1 meets `b` before `a`, both rows late
+  # but with tokens to sample after (the rows' text is longest, and the stop shows)
+  pairs = [(min(first(greedy[0], {a}), first(greedy[1], {b})), int(a), int(b))
+           for a in set(greedy[0].tolist()) for b in set(greedy[1].tolist()) if a != b
+           and first(greedy[0], {a}) < min(first(greedy[0], {b}), NEW - 2)
+           and first(greedy[1], {b}) < min(first(greedy[1], {a}), NEW - 2)]
+  _, a, b = max(pairs)
+  got = sampler.sample_tokens(PROMPTS, NEW, temperature=0, stop_token=[a, b])
+  for row, full in zip(got, greedy):
+    end = first(full, {a, b})
+    assert np.array_equal(row[:end + 1], full[:end + 1])  # the same up to and with the stop
+    assert (row[end:] == full[end]).all() if end < NEW else True  # then that id again
+  assert got[0][first(greedy[0], {a})] == a and got[1][first(greedy[1], {b})] == b
+  texts = sampler.texts(got, [a, b])
+  assert texts[:2] == [sampler.codec.decode(full[:first(full, {a, b})]) for full in greedy[:2]]
+  assert sampler.stop_ids(a) == (a,) and sampler.stop_ids(-1) == sampler.stop_ids([]) == ()
+  assert sampler.stop_ids(None) == (sampler.codec.eos,)
+
+
 def test_bad_options_are_one_sentence(model):
   sampler = model[2]
   for kw, words in ((dict(top_p=0.0), "--top-p=0.0 must be above 0 and at most 1 (1 = off)"),
@@ -190,6 +214,8 @@ def test_bad_options_are_one_sentence(model):
                     (dict(top_k=257), "--top-k=257 must be between 0 (off) and 256"),
                     (dict(stop_token=256), "--stop-token=256 must be a token id from 0 to 255, "
                                            "or -1 for none"),
+                    (dict(stop_token=[3, 256]), "--stop-token=256 must be a token id from 0 to "
+                                                "255, or -1 for none"),
                     (dict(max_new_tokens=-1), "--max-new-tokens=-1 must be between 0 and ")):
     with pytest.raises(config.ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
       sampler.sample_tokens([[0, 1]], **{"max_new_tokens": 4, **kw})
@@ -208,7 +234,13 @@ def test_generate_script_refuses_bad_options_before_loading(tmp_path, capsys):
                       (["--temperature", "-1"], "--temperature=-1.0 must be a finite number, not "
                                                  "negative (0 = greedy)"),
                       (["--stop-token", "-2"], "--stop-token=-2 must be a token id (0 or more), "
-                                               "or -1 for none")):
+                                               "or -1 for none"),
+                      (["--stop-token", "5", "--stop-token", "-2"], "--stop-token=-2 must be a "
+                                                                    "token id (0 or more), or -1 "
+                                                                    "for none"),
+                      (["--stop-token", "-1", "--stop-token", "5"], "--stop-token=-1 (none) "
+                                                                    "cannot be given with other "
+                                                                    "stop tokens (5)")):
     assert script.main(["--workdir", str(tmp_path / "none"), *args]) == 2
     err = capsys.readouterr().err
     assert [line for line in err.splitlines() if line.startswith("error:")] == \

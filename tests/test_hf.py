@@ -453,12 +453,23 @@ def test_generate_from_a_folder_gives_transformers_greedy_tokens_and_chats(tmp_p
   hf.export(str(tmp_path / "wd"), folder)
 
   n = 8
+  want = torch_greedy(folder, [1, 3, 4, 5], n)
+  # generation_config.json's eos ids as a list (a chat model's end of turn beside </s>): a
+  # sample stops at the first of any of them, here at the third token
+  turn_end = int(want[2])
+  assert 2 not in want[:3] and turn_end not in want[:2], want
+  generation = pathlib.Path(folder) / "generation_config.json"
+  generation.write_text(json.dumps({**json.loads(generation.read_text()),
+                                    "eos_token_id": [2, turn_end]}))
   for shape in ((1, 1, 1), (2, 2, 1)):
     sampler = hf.sampler(folder, shape)
     ids = sampler.codec.encode("the cat sat")
     assert list(ids) == [1, 3, 4, 5]  # <s> the cat sat
     got = sampler.sample_tokens([ids], n, temperature=0, stop_token=-1)[0]
-    np.testing.assert_array_equal(got, torch_greedy(folder, ids, n), err_msg=str(shape))
+    np.testing.assert_array_equal(got, want, err_msg=str(shape))
+  assert sampler.codec.stops == (2, turn_end)  # </s> (end of text, eos_token) and the list's
+  stopped = sampler.sample_tokens([ids], n, temperature=0)[0]  # the folder's stops: the default
+  assert list(stopped) == list(want[:3]) + [turn_end] * (n - 3)
 
   messages = [{"role": "user", "content": "the cat"}]
   text = hf.render_chat(folder, messages)
@@ -466,7 +477,9 @@ def test_generate_from_a_folder_gives_transformers_greedy_tokens_and_chats(tmp_p
       messages, tokenize=False, add_generation_prompt=True)
   assert text == want == "<s>the cat</s><s>"
   ids = sampler.codec.encode(text, start=False)
-  reply = sampler.codec.decode(torch_greedy(folder, ids, n))
+  greedy = torch_greedy(folder, ids, n)  # the reply ends at the first of the folder's stops
+  reply = sampler.codec.decode(greedy[:next(
+      (i for i, t in enumerate(greedy) if t in sampler.codec.stops), n)])
   capsys.readouterr()
   assert generate_command.main(["--hf", folder, "--chat", "--prompt", "the cat", "--mesh", "2x2x1",
                                 "--temperature", "0", "--max-new-tokens", str(n)]) == 0
@@ -480,6 +493,26 @@ def test_generate_from_a_folder_gives_transformers_greedy_tokens_and_chats(tmp_p
   errors = [line for line in err.splitlines() if line.startswith("error:")]
   assert len(errors) == 1 and "BertModel" in errors[0] and "Traceback" not in err, err
   assert sorted(p.name for p in bad.iterdir()) == ["config.json"]
+
+
+def test_a_folders_stop_ids_are_its_end_of_text_eos_ids_and_eos_token(tmp_path):
+  """generate --hf stops a sample at the end of text, every eos_token_id of
+  generation_config.json (a list; else config.json's) and tokenizer_config.json's eos_token (a
+  chat model's end of turn); a tokenizer's fallback id 0, which ends no text, is no stop."""
+  from tokenizers import Tokenizer
+  from jaxpar.data.windows import load_tokenizer
+  folder = str(tmp_path)
+  write_tokenizer(folder)
+  tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+  tok.add_special_tokens(["<|im_end|>"])  # id 9
+  tok.save(os.path.join(folder, "tokenizer.json"))
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 6]}))
+  tok = load_tokenizer(folder)
+  assert hf.stop_ids(folder, {"eos_token_id": 7}, tok, 2) == (2, 6, 9)
+  os.remove(tmp_path / "generation_config.json")
+  assert hf.stop_ids(folder, {"eos_token_id": 7}, tok, 0) == (7, 9)  # 0 is <unk>
+  assert hf.stop_ids(folder, {"eos_token_id": [3, 4]}, None, 0) == (0, 3, 4)  # byte tokens
 
 
 def test_a_tokenizer_trained_offline_loads_in_transformers_with_its_chat_template(tmp_path, capsys):

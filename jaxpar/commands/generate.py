@@ -1,7 +1,7 @@
 """Sample text from a checkpoint or a Hugging Face folder: jaxpar-generate (--workdir DIR |
 --hf FOLDER [--chat [--system TEXT]]) --prompt TEXT [--prompt TEXT ...] [--max-new-tokens N]
-[--temperature T] [--top-k K] [--top-p P] [--stop-token ID] [--seed S] [--num-samples N]
-[--no-cache] [--mesh DxMxP] [--step N].
+[--temperature T] [--top-k K] [--top-p P] [--stop-token ID [--stop-token ID ...]] [--seed S]
+[--num-samples N] [--no-cache] [--mesh DxMxP] [--step N].
 Also python -m jaxpar generate, or python scripts/generate.py in a checkout."""
 from __future__ import annotations
 
@@ -33,8 +33,10 @@ def main(argv=None) -> int:
   p.add_argument("--top-p", type=float, default=1.0,
                  help="sample among the fewest likeliest tokens holding this much probability "
                       "(1 = all)")
-  p.add_argument("--stop-token", type=int, default=None,
-                 help="token id that ends a sample (default: end-of-text; -1: none)")
+  p.add_argument("--stop-token", type=int, action="append", default=None, metavar="ID",
+                 help="token id that ends a sample; repeat it for several, any of which ends "
+                      "it (default: end-of-text, and with --hf the folder's eos_token_id(s) and "
+                      "eos_token, a chat model's end of turn; -1: none)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
   p.add_argument("--no-cache", action="store_true",

@@ -103,6 +103,11 @@ def _token_text(value) -> str | None:
   return value if isinstance(value, str) else None
 
 
+def special_token(folder: str, name: str) -> str | None:
+  """tokenizer_config.json's special token `name` (e.g. "eos_token") as text, or None."""
+  return _token_text(_config(folder).get(name))
+
+
 class ChatTemplate:
   """render(messages, add_generation_prompt) -> str, as transformers' apply_chat_template
   renders the folder's template (tokenize=False)."""

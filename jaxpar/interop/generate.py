@@ -61,7 +61,8 @@ class Codec:
   """Text <-> token ids as the run saw them: bytes, or the `tokenizers` file of `data.tokenizer`
   (else of the `model.init_from` folder, when it holds a tokenizer.json). `bos` (the id a prompt
   starts with) and `eos` (the one that ends a sample) are the end-of-text id unless a Hugging
-  Face folder says otherwise (hf.sampler)."""
+  Face folder says otherwise (hf.sampler); `stops`, the ids any of which ends a sample by
+  default, are (eos,) unless a folder names more (a chat model's end of turn)."""
 
   def __init__(self, cfg: jconfig.Config):
     path = cfg.data.tokenizer
@@ -76,6 +77,11 @@ class Codec:
       self.tokenizer = load_tokenizer(path)
       self.eos, self.vocab = end_of_text_id(self.tokenizer), self.tokenizer.get_vocab_size()
     self.bos = self.eos
+    self.stops: tuple[int, ...] | None = None  # None: (eos,)
+
+  def default_stops(self) -> tuple[int, ...]:
+    """The ids that end a sample when no --stop-token is given."""
+    return tuple(self.stops) if self.stops is not None else (int(self.eos),)
 
   def encode(self, text: bytes | str, start: bool = True) -> np.ndarray:
     """A prompt as the start of a document: the `bos` id (the end of text unless a folder says
@@ -167,8 +173,9 @@ def _rows(x: jax.Array, start: jax.Array, width: int) -> jax.Array:
 def decode_fn(cfg: jconfig.Config, n_prompt: int, n_new: int, batch: int, cache: bool = True):
   """The sampling loop for one shape, not yet jitted: (params, prompts (B, n_prompt) int32, each
   row's tokens first and padding after, lengths (B,) int32 >= 1, key, temperature, top_k, top_p,
-  stop) -> new tokens (B, n_new) int32. A row that samples `stop` (-1: none) stops there, and the
-  rest of its row is `stop`; the loop ends when every row has stopped.
+  stop (S,) int32) -> new tokens (B, n_new) int32. A row that samples any id of `stop` (-1
+  entries match nothing: padding, or no stop at all) stops there, and the rest of its row
+  repeats that id; the loop ends when every row has stopped.
   `cache` False recomputes the whole window per token (the reference)."""
   mc = cfg.model
   T, keep = mc.seq_len, window_keep(mc.seq_len)
@@ -217,22 +224,24 @@ def decode_fn(cfg: jconfig.Config, n_prompt: int, n_new: int, batch: int, cache:
       logits, kv = recompute(params, tokens, origin, lengths), None
 
     def body(state):
-      i, tokens, kv, origin, logits, done = state
+      i, tokens, kv, origin, logits, done, last = state
       token = pick(logits, jax.random.fold_in(key, i), temperature, top_k, top_p)
-      token = jnp.where(done, stop, token)
+      token = jnp.where(done, last, token)  # a stopped row repeats the id it stopped at
       tokens = tokens.at[jnp.arange(B), lengths + i].set(token)
-      done = done | (token == stop)
+      done = done | jnp.any(token[:, None] == stop[None, :], axis=-1)
       ahead = lengths + i + 1  # the index of the token the next iteration picks
       full = ahead - origin > T
       origin = jnp.where(full, ahead - keep, origin)
       logits, kv = advance(params, tokens, kv, origin, ahead, full, token)
-      return i + 1, tokens, kv, origin, logits, done
+      return i + 1, tokens, kv, origin, logits, done, token
 
-    state = (jnp.int32(0), tokens, kv, origin, logits, jnp.zeros((B,), bool))
-    state = jax.lax.while_loop(lambda s: (s[0] < n_new) & ~jnp.all(s[-1]), body, state)
-    steps, tokens = state[0], state[1]
+    state = (jnp.int32(0), tokens, kv, origin, logits, jnp.zeros((B,), bool),
+             jnp.zeros((B,), jnp.int32))
+    state = jax.lax.while_loop(lambda s: (s[0] < n_new) & ~jnp.all(s[5]), body, state)
+    steps, tokens, last = state[0], state[1], state[6]
     new = _rows(tokens, lengths, n_new)
-    return jnp.where(jnp.arange(n_new)[None, :] < steps, new, stop)  # an early end: all stopped
+    # an early end: every row has stopped, and repeats its stop id
+    return jnp.where(jnp.arange(n_new)[None, :] < steps, new, last[:, None])
   return run
 
 
@@ -335,31 +344,40 @@ class Sampler:
             f"tokens, re-encoded at positions 0-{keep - 1}")
 
   def _check(self, max_new_tokens, temperature, top_k, top_p, num_samples, stop_token, seed,
-             prompts) -> int:
-    """check_options, and the bounds set by the vocabulary; returns the stop token id (-1: none)."""
+             prompts) -> tuple[int, ...]:
+    """check_options, and the bounds set by the vocabulary; returns the stop ids (() = none)."""
     check_options(max_new_tokens, temperature, top_k, top_p, num_samples, stop_token, seed,
                   prompts)
     if top_k > self.codec.vocab:
       raise ConfigError(f"--top-k={top_k} must be between 0 (off) and {self.codec.vocab}")
+    return self.stop_ids(stop_token)
+
+  def stop_ids(self, stop_token=None) -> tuple[int, ...]:
+    """The ids that end a sample: `stop_token` None = the codec's default set; -1 (or [-1], or
+    []) = none; an id or a list of ids = those. Each must be in the model's vocabulary."""
     if stop_token is None:
-      return int(self.codec.eos)
+      return self.codec.default_stops()
+    ids = _stop_list(stop_token)
     V = self.cfg.model.vocab_size
-    if stop_token >= V:
-      raise ConfigError(f"--stop-token={stop_token} must be a token id from 0 to {V - 1}, "
-                        f"or -1 for none")
-    return int(stop_token)
+    for t in ids:
+      if not -1 <= t < V:
+        raise ConfigError(f"--stop-token={t} must be a token id from 0 to {V - 1}, "
+                          f"or -1 for none")
+    return tuple(dict.fromkeys(int(t) for t in ids if t != -1))
 
   def sample_tokens(self, prompts, max_new_tokens: int = 200, temperature: float = 1.0,
                     top_k: int = 0, top_p: float = 1.0, seed: int = 0, num_samples: int = 1,
-                    stop_token: int | None = None, cache: bool = True) -> np.ndarray:
+                    stop_token: int | list[int] | None = None, cache: bool = True) -> np.ndarray:
     """New tokens after each prompt, a list of (n_i,) token ids with n_i >= 1:
     [len(prompts) * num_samples, max_new_tokens] int32, the samples of a prompt together.
 
-    stop_token: None = end-of-text; -1 = none. A row stops at its first stop token, which is
-    kept, and the rest of the row repeats it. cache False: the full-recompute reference.
+    stop_token: None = the codec's default stop ids (the end-of-text id, and a Hugging Face
+    folder's end-of-turn ids); an id or a list of ids; -1 = none. A row stops at the first token
+    that is any of them, which is kept, and the rest of the row repeats it. cache False: the
+    full-recompute reference.
     """
     prompts = list(prompts)
-    stop = self._check(max_new_tokens, temperature, top_k, top_p, num_samples, stop_token, seed,
+    stops = self._check(max_new_tokens, temperature, top_k, top_p, num_samples, stop_token, seed,
                        len(prompts))
     prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
     if not prompts or min(len(p) for p in prompts) == 0:
@@ -380,15 +398,18 @@ class Sampler:
     for i, p in enumerate(rows):
       padded[i, :len(p)] = p
     lengths = np.array([len(p) for p in rows], np.int32)
+    # A static-size array inside the loop: a few widths serve any set (-1 pads, matching nothing)
+    stop = np.full(_bucket(len(stops)), -1, np.int32)
+    stop[:len(stops)] = stops
     fn = self._fn(n_prompt, max_new_tokens, batch, bool(cache))
     with jax.set_mesh(self.mesh):
       out = fn(self.params, padded, lengths, jax.random.key(seed), np.float32(temperature),
-               np.int32(top_k), np.float32(top_p), np.int32(stop))
+               np.int32(top_k), np.float32(top_p), stop)
     return np.asarray(out)[:len(prompts) * num_samples]
 
   def sample(self, prompt, max_new_tokens: int = 200, temperature: float = 1.0, top_k: int = 0,
              seed: int = 0, num_samples: int = 1, top_p: float = 1.0,
-             stop_token: int | None = None, cache: bool = True) -> np.ndarray:
+             stop_token: int | list[int] | None = None, cache: bool = True) -> np.ndarray:
     """New tokens after `prompt` (text, or a list of texts): [prompts * num_samples,
     max_new_tokens] int32, separators included (see sample_tokens)."""
     texts = [prompt] if isinstance(prompt, (str, bytes)) else list(prompt)
@@ -397,17 +418,18 @@ class Sampler:
 
   def generate(self, prompt, max_new_tokens: int = 200, temperature: float = 1.0,
                top_k: int = 0, seed: int = 0, num_samples: int = 1, top_p: float = 1.0,
-               stop_token: int | None = None, cache: bool = True) -> list[str]:
+               stop_token: int | list[int] | None = None, cache: bool = True) -> list[str]:
     """Continuations of `prompt` (text, or a list of texts) as text, each cut before the first
-    end-of-text and the first stop token."""
+    end-of-text and the first stop token of any kind."""
     out = self.sample(prompt, max_new_tokens, temperature, top_k, seed, num_samples, top_p,
                       stop_token, cache)
     return self.texts(out, stop_token)
 
-  def texts(self, out: np.ndarray, stop_token: int | None = None) -> list[str]:
-    """sample_tokens' rows as text, each cut before the first end-of-text and stop token."""
-    stop = -1 if stop_token is None else stop_token
-    return [self.codec.decode(row[:_first(row, stop)]) for row in out]
+  def texts(self, out: np.ndarray, stop_token=None) -> list[str]:
+    """sample_tokens' rows as text, each cut before the first end-of-text and the first of the
+    stop ids (`stop_token` as sample_tokens takes it)."""
+    stops = self.stop_ids(stop_token)
+    return [self.codec.decode(row[:_first(row, stops)]) for row in out]
 
 
 # Caps on a request, checked before anything is read. The token buffer is (rows, prompt +
@@ -422,7 +444,7 @@ INT32_MAX = (1 << 31) - 1  # token ids and top-k reach the loop as int32
 
 
 def check_options(max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-                  num_samples: int, stop_token: int | None, seed: int = 0,
+                  num_samples: int, stop_token: int | list[int] | None, seed: int = 0,
                   prompts: int = 1) -> None:
   """The sampling options that need no model, each refused with one sentence (ConfigError);
   `prompts`: how many are sampled together."""
@@ -445,8 +467,13 @@ def check_options(max_new_tokens: int, temperature: float, top_k: int, top_p: fl
     raise ConfigError(f"{rows} rows x --max-new-tokens={max_new_tokens} make "
                       f"{rows * max_new_tokens} new tokens, more than the {MAX_TOKENS} of one "
                       f"request; ask for fewer tokens or rows")
-  if stop_token is not None and not -1 <= stop_token <= INT32_MAX:
-    raise ConfigError(f"--stop-token={stop_token} must be a token id (0 or more), or -1 for none")
+  ids = _stop_list(stop_token) if stop_token is not None else []
+  for t in ids:
+    if not -1 <= t <= INT32_MAX:
+      raise ConfigError(f"--stop-token={t} must be a token id (0 or more), or -1 for none")
+  if -1 in ids and len(ids) > 1:
+    raise ConfigError(f"--stop-token=-1 (none) cannot be given with other stop tokens "
+                      f"({', '.join(str(t) for t in ids if t != -1)})")
   if not 0 <= seed < SEED_RANGE:
     raise ConfigError(f"--seed={seed} must be between 0 and {SEED_RANGE - 1} (a key takes "
                       f"32 bits of it)")
@@ -458,9 +485,16 @@ def _bucket(n: int) -> int:
   return max(8, 1 << (n - 1).bit_length())
 
 
-def _first(row: np.ndarray, token: int) -> int:
-  """The index of the first `token` in row, or its length."""
-  hits = np.flatnonzero(row == token)
+def _stop_list(stop_token) -> list[int]:
+  """stop_token as a list of ints: an id, or a sequence of them."""
+  if isinstance(stop_token, (int, np.integer)):
+    return [int(stop_token)]
+  return [int(t) for t in stop_token]
+
+
+def _first(row: np.ndarray, tokens) -> int:
+  """The index of the first of `tokens` in row, or its length."""
+  hits = np.flatnonzero(np.isin(row, np.asarray(tokens, np.int64)))
   return int(hits[0]) if hits.size else len(row)
 
 

@@ -29,6 +29,7 @@ from jaxpar import config as jconfig
 from jaxpar import kinds
 from jaxpar.config import ConfigError
 from jaxpar.data import jsonl
+from jaxpar.data.windows import END_OF_TEXT
 from jaxpar.interop import hf_llama, peft
 from jaxpar.interop.export import STEP_REMEDY, checkpoint_step, write_safetensors, writes
 from jaxpar.interop import generate
@@ -346,8 +347,9 @@ def sampler(folder: str, mesh_shape: tuple[int, ...] = (1, 1, 1), overrides=()) 
   reads: jaxpar's exports and others), put onto the mesh's shardings tensor by tensor.
 
   It speaks the folder's tokenizer.json (bytes without one). A prompt starts with the folder's
-  bos_token_id and a sample ends at its eos_token_id (generation_config.json's, else
-  config.json's; the first of a list), as transformers' generate does. The window
+  bos_token_id (generation_config.json's, else config.json's; the first of a list), and a sample
+  ends at the first of `stop_ids`: the end of text and every eos_token_id, as transformers'
+  generate does, and the tokenizer's eos_token (a chat model's end of turn). The window
   (model.seq_len) is the folder's longest position, at most MAX_WINDOW; `overrides` ('key=value'
   words, e.g. model.seq_len=4096 or precision.param_dtype=bfloat16) win. An unsupported folder
   is one sentence (ConfigError) before anything is read."""
@@ -363,8 +365,31 @@ def sampler(folder: str, mesh_shape: tuple[int, ...] = (1, 1, 1), overrides=()) 
   params = load_params(folder, cfg.model, trainer.model.abstract, trainer.state_shardings["params"])
   codec = Codec(cfg)
   codec.bos = _token_id(folder, hfc, "bos_token_id", codec.bos)
+  end_of_text = codec.eos
   codec.eos = _token_id(folder, hfc, "eos_token_id", codec.eos)
+  codec.stops = stop_ids(folder, hfc, codec.tokenizer, end_of_text)
   return generate.Sampler.from_trainer(cfg, trainer, params, codec)
+
+
+def stop_ids(folder: str, hfc: dict, tokenizer, end_of_text: int) -> tuple[int, ...]:
+  """The ids that end a sample of the folder's model by default: `end_of_text` (the tokenizer's,
+  or the byte separator), every eos_token_id of generation_config.json (an int or a list; else
+  config.json's), and the id of tokenizer_config.json's eos_token (a chat model's end of turn,
+  Qwen's <|im_end|> or Llama 3's <|eot_id|>, is one of these), in that order, each once."""
+  path = os.path.join(folder, "generation_config.json")
+  generation = _read_json(path) if os.path.isfile(path) else {}
+  # a tokenizer's fallback id 0 (end_of_text_id, when it knows no END_OF_TEXT token) is no stop
+  known = tokenizer is None or tokenizer.id_to_token(end_of_text) in END_OF_TEXT
+  ids = [end_of_text] if known else []
+  for source in (generation, hfc):
+    value = source.get("eos_token_id")
+    if value is not None:
+      ids += [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)]
+      break
+  eos = jsonl.special_token(folder, "eos_token") if tokenizer is not None else None
+  if eos is not None and tokenizer.token_to_id(eos) is not None:
+    ids.append(tokenizer.token_to_id(eos))
+  return tuple(dict.fromkeys(int(i) for i in ids))
 
 
 def _token_id(folder: str, hfc: dict, key: str, default: int) -> int:
