@@ -226,6 +226,11 @@ def vs_maxtext_row(name: str) -> list[str]:
           r(other[0], 1), r(other[1], 1)]
 
 
+def vs_maxtext_ratios(*names: str) -> list[str]:
+  """jaxpar / MaxText tokens/s of the named layouts."""
+  return [r(ref("vs_maxtext")["layouts"][n]["ratio_tokens_per_sec"]) for n in names]
+
+
 def vs_maxtext_spread() -> list[str]:
   """The most a side's runs of one layout differ, max / min: tokens/s, then per CPU second."""
   lays = ref("vs_maxtext")["layouts"].values()
@@ -273,6 +278,12 @@ QUOTED = [
     ("README.md", "8 experts top-2 at {}x (dropless) and {}x (capacity factor 1.25) the tokens/s "
      "of the dense model of the same active parameters on one CPU device, {}x and {}x on 8 with "
      "the experts split", lambda: moe_ratios()),
+    ("README.md", "{}x, {}x and {}x MaxText 0.2.5's tokens/s on one device, experts 8 and experts "
+     "4 x tensor 2", lambda: vs_maxtext_ratios("one_device_moe", "experts_8", "experts_tensor")),
+    ("README.md", "{}x (one device), {}x (FSDP 8), {}x (data 4 x tensor 2) and {}x (data 2 x "
+     "pipeline 4) MaxText 0.2.5's tokens/s", lambda: vs_maxtext_ratios(
+         "one_device_dense", "fsdp", "data_tensor", "pipeline")),
+    ("README.md", "a side's two runs differ up to {}x", lambda: vs_maxtext_spread()[:1]),
     ("docs/moe.md", "| 1x1x1 (one CPU device) | {} | {} | {}x | {} | {}x |",
      lambda: moe_row("1x1x1")),
     ("docs/moe.md", "| 8x1x1 (8 simulated devices, one expert each) | {} | {} | {}x | {} | {}x |",
