@@ -244,6 +244,9 @@ def test_docs_commands_run_in_order(tmp_path, monkeypatch, capsys):
     elif "scripts/train.py" in cmd:  # each trains: no silent resume of another run's checkpoint
       assert "resuming" not in r.stdout and "nothing to train" not in r.stdout, what
       assert "steps: 4" in r.stdout, what
+    if "scripts/train.py" in cmd and "data.source=jsonl" in cmd:  # how its records packed
+      assert re.search(r"^data: [\d,]+ records? of train\.jsonl -> [\d,]+ windows? of ",
+                       r.stdout, re.M), what
     if "--deepspeed" in cmd:  # the mapping it printed and what it cannot honour
       words = shlex.split(cmd)
       mesh, ds = (words[words.index(flag) + 1] for flag in ("--mesh", "--deepspeed"))

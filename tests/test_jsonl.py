@@ -7,6 +7,8 @@ import sys
 import numpy as np
 import pytest
 
+from output_fields import undocumented
+
 from jaxpar import config
 from jaxpar.config import ConfigError
 from jaxpar.data import jsonl, make_loader
@@ -139,6 +141,11 @@ def test_records_are_packed_whole_with_segments_and_answer_masks(tmp_path):
   lengths = [len(r["prompt"]) + len(r["completion"]) + 1 for r in RECORDS]
   assert len(windows) < len(RECORDS) and windows.tokens == sum(lengths)
   assert len(windows) == -(-sum(lengths) // 32)  # these lengths pack with no window to spare
+  # the start-up line: 519 tokens in 17 windows of 32, 1 - 519 / 544 of them padding; the blank
+  # line is no record
+  assert sum(lengths) == 519 and it.summary == ("data: 40 records of train.jsonl -> 17 windows "
+                                                "of 32 tokens, 4.6% padding")
+  assert undocumented([], it.summary) == []  # docs/output.md names the line
   # each record into the window it leaves least room in: worst fit would open a third window
   assert jsonl.best_fit_decreasing(np.array([2, 5, 4, 6, 3]), 10) == [[3, 2], [1, 4, 0]]
 
@@ -162,6 +169,9 @@ def test_a_long_record_is_refused_or_split(tmp_path):
   # 40 q + 30 a + end of text in windows of 32: its mask from the a's on
   assert sorted(pieces) == [(b"a" * 6 + b"\0", 7), (b"q" * 8 + b"a" * 24, 24), (b"q" * 32, 0)]
   assert len(segments) == len(RECORDS) + 3
+  # the start-up line: 519 + 71 tokens in 19 windows of 32, 1 - 590 / 608 of them padding
+  assert it.summary == ("data: 41 records of train.jsonl -> 19 windows of 32 tokens, 3.0% "
+                        "padding, 1 record split into 3 pieces (data.long_records=split)")
 
 
 def test_resumes_mid_epoch_and_reshuffles_windows(tmp_path):

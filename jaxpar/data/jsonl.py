@@ -340,7 +340,7 @@ class PackedRecords:
 
   def __init__(self, file: str, seq_len: int, encoder: Encoder, split_long: bool = False,
                packed: bool = True):
-    self.file, self.encoder, self.width = file, encoder, seq_len + 1
+    self.file, self.encoder, self.width, self.split_long = file, encoder, seq_len + 1, split_long
     offsets, counts, answers = [0], [], 0
     with open(file, "rb") as f:
       for number, line in enumerate(f, 1):
@@ -367,6 +367,7 @@ class PackedRecords:
     self._rows = (best_fit_decreasing(self._pieces[:, 2], self.width) if packed else
                   [[p] for p in range(len(pieces))])  # one record a row: what packing saves
     self.records, self.answer_tokens = len(lines), answers
+    self.long_records = int((self._counts > self.width).sum())  # each cut into several pieces
     self.tokens = int(self._pieces[:, 2].sum())
     self.n = len(self._rows)
     self.dtype = np.dtype(np.int32)
@@ -433,3 +434,14 @@ class PackedRecords:
   def padding(self) -> float:
     """The share of the windows' tokens that are padding."""
     return 1.0 - self.tokens / (self.n * self.width)
+
+  def summary(self) -> str:
+    """The start-up line saying how the split packed (the training run prints it)."""
+    count = lambda n, what: f"{n:,} {what}" + ("" if n == 1 else "s")
+    line = (f"data: {count(self.records, 'record')} of {os.path.basename(self.file)} -> "
+            f"{count(self.n, 'window')} of {self.width:,} tokens, {self.padding():.1%} padding")
+    if self.split_long:  # under refuse, a long record stops the run before this line
+      pieces = len(self._pieces) - (self.records - self.long_records)
+      line += (f", {count(self.long_records, 'record')} split into {count(pieces, 'piece')} "
+               f"(data.long_records=split)")
+    return line

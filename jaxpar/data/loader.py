@@ -283,6 +283,8 @@ class TokenBatches:
     self.element_spec = (plan.windows.element_spec(plan.local)
                          if hasattr(plan.windows, "element_spec") else
                          {"tokens": ((plan.local, plan.windows.shape[1]), np.dtype(np.int32))})
+    # how the records packed (jsonl's windows), a line for the run's start-up; None otherwise
+    self.summary = plan.windows.summary() if hasattr(plan.windows, "summary") else None
 
   def next(self) -> dict:
     return self._as_dict(self._it.next())

@@ -113,6 +113,9 @@ class _Run:
                                      == os.path.realpath(cfg.model.init_from))
       log(f"tokenizer: {cfg.data.tokenizer}"
           + (" (the model.init_from folder's tokenizer.json)" if own else ""))
+    for loader in (self.batches, evals):  # how packed records (data.source=jsonl) fill windows
+      if getattr(loader, "summary", None):
+        log(loader.summary)
     os.makedirs(workdir, exist_ok=True)
     self.ckpt = jckpt.Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.checkpoint.keep,
                                    every=cfg.checkpoint.every)
