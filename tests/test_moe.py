@@ -685,3 +685,23 @@ def test_dropless_temporaries_stay_within_the_stated_bound_of_the_dense_model(sh
   ratio = temp(moe_cfg) / temp(dense_cfg)
   d = shape[0]
   assert ratio <= (2.5 if d == 1 else d), ratio
+
+
+def test_capacity_under_a_pipeline_matches_the_experts_whole_accumulating_its_microbatches():
+  """With a capacity each microbatch's rows take their experts' slots inside the pipeline's map
+  (the experts split over data, the slots exchanged there): GPipe on 2x1x2 against the same data
+  split accumulating the same 2 microbatches with every expert whole on each device, so that the
+  same rows drop (C = ceil(f x a microbatch's rows / E))."""
+  from jaxpar.parallel import rules
+  cfg = make_cfg("model.capacity_factor=1.0", "parallel.microbatches=2")
+  data = batches(cfg, 2)
+  losses, metrics, grads = train(config.override(cfg, parallel={"schedule": "gpipe"}), (2, 1, 2),
+                                 data)
+  ref_losses, ref_metrics, ref_grads = train(make_cfg("model.capacity_factor=1.0",
+                                                      "train.grad_accum=2"), (2, 1, 1), data,
+                                             rules=rules.extended({"expert": None}))
+  assert ref_metrics["moe_dropped"] > 0.01
+  np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+  for name in ROUTER_METRICS + ("moe_dropped",):
+    np.testing.assert_allclose(metrics[name], ref_metrics[name], rtol=RTOL, err_msg=name)
+  assert_trees_close(grads, ref_grads, "gradient")
