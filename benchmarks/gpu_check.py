@@ -117,6 +117,9 @@ def phases(small: bool) -> list[dict]:
   out.append(dict(name="llama_moe", kind="train", steps=steps, need_s=need,
                   overrides={**llama, "model.n_experts": 8, "model.experts_per_token": 2,
                              "model.moe_d_ff": llama["model.d_ff"] // 4}))
+  # the same with a capacity: each expert's C fixed slots and one batched matmul (moe._slotted)
+  out.append(dict(name="llama_moe_capacity", kind="train", steps=steps, need_s=need,
+                  overrides={**out[-1]["overrides"], "model.capacity_factor": 1.25}))
   # its exchange (parallel/expert.py): jax.lax.ragged_all_to_all on the device(s), against the
   # padded all-to-all on the same rows; --small on 4 simulated CPU devices, the ragged path
   # emulated (XLA:CPU has no ragged all-to-all)
@@ -548,9 +551,10 @@ def summarise(results: dict) -> dict:
                          **{f"{k}_{p}": x["paths"][p][k] for p in ("ragged", "padded")
                             for k in ("rows_per_s", "sent_bytes")}}
   if "llama" in train and "llama_moe" in train:  # the mixture's active MLP is half the dense one's
-    s["moe"] = {"tokens_per_s": {"dense": train["llama"]["tokens_per_s"],
-                                 "moe": train["llama_moe"]["tokens_per_s"]},
-                "mfu": {"dense": train["llama"]["mfu"], "moe": train["llama_moe"]["mfu"]}}
+    runs = {"dense": "llama", "moe": "llama_moe", "moe_capacity": "llama_moe_capacity"}
+    runs = {k: train[v] for k, v in runs.items() if v in train}
+    s["moe"] = {"tokens_per_s": {k: r["tokens_per_s"] for k, r in runs.items()},
+                "mfu": {k: r["mfu"] for k, r in runs.items()}}
   return s
 
 

@@ -86,7 +86,11 @@ def test_small_check_measures_without_the_modules_the_gpu_machine_lacks(small_re
   assert set(offload) >= {"device_peak_bytes", "host_bytes_on", "step_time_cost"}
   moe = load().summarise({"llama": r, "llama_moe": r})["moe"]
   assert moe["tokens_per_s"] == {"dense": r["tokens_per_s"], "moe": r["tokens_per_s"]}
-  assert "llama_moe" in [spec["name"] for spec in load().phases(small=True)]
+  moe = load().summarise({"llama": r, "llama_moe": r, "llama_moe_capacity": r})["moe"]
+  assert set(moe["tokens_per_s"]) == {"dense", "moe", "moe_capacity"}
+  specs = {spec["name"]: spec for spec in load().phases(small=True)}
+  assert specs["llama_moe_capacity"]["overrides"]["model.capacity_factor"] == 1.25
+  assert "model.capacity_factor" not in specs["llama_moe"]["overrides"]
   # --small's stand-in device has 4 MiB: the search lands close under it, not just anywhere
   # that fits (the first two compiled depths, 1 and 2 layers, take about 2 MiB).
   largest = s["largest_offload"]
