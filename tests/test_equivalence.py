@@ -19,6 +19,7 @@ from jaxpar import config
 from jaxpar.data import synthetic_windows
 from jaxpar.models import registry as jmodel
 from jaxpar.parallel import mesh as jmesh
+from jaxpar.parallel import zero
 from jaxpar.train.step import Trainer
 
 RTOL = 1e-5
@@ -130,3 +131,31 @@ def test_offload_optimizer_8x1x1_zero3_vs_1x1x1(reference):
                          (8, 1, 1), data)
   np.testing.assert_allclose(got, ref, rtol=RTOL)
   assert_trees_close(params, ref_params, "parameter")
+
+
+@pytest.mark.parametrize("combine", [False, True], ids=["each-weight-alone", "weights-combined"])
+def test_zero3_gathers_each_weight_alone_or_a_layer_at_once_and_matches_single_device(
+    reference, monkeypatch, combine):
+  """Stage 3's two ways to gather a layer (zero.gather): each weight in its own all-gather (GPUs
+  and TPUs, whose compilers combine collectives) or the layer's weights in one (the CPU's). The
+  layouts above run the backend's choice; here both, on 8x1x1 (data on a weight's first or second
+  dimension), and the combined program has one all-gather per layer loop."""
+  monkeypatch.setattr(zero, "COMBINE", combine)
+  data, (ref_losses, ref_params, ref_grads) = reference
+  cfg = make_cfg("parallel.zero_stage=3")
+  losses, params, grads = train(cfg, (8, 1, 1), data)
+  np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+  assert_trees_close(grads, ref_grads, "gradient")
+  assert_trees_close(params, ref_params, "parameter")
+  t = trainer(cfg, (8, 1, 1))
+  tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), jnp.int32)
+  text = t.lower({"tokens": tokens}).compile().as_text()
+  in_loops = [line for line in text.splitlines() if " all-gather(" in line and "/while/body/" in line]
+  sharded = sum(d >= 0 for d in jax.tree_util.tree_leaves(t.layout.dims["layers"]))
+  assert sharded > 1
+  # A layer's weights are gathered in the forward loop and again in the backward's (regather;
+  # alone, the weights the backward does not read, biases, are not gathered there).
+  forward = [line for line in in_loops if "transpose(" not in line]
+  assert len(forward) == (1 if combine else sharded), (len(forward), sharded)
+  backward = len(in_loops) - len(forward)
+  assert (backward == 1) if combine else (1 < backward <= sharded), (backward, sharded)

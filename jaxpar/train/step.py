@@ -282,7 +282,8 @@ class Trainer:
                          axis_names=manual, check_vma=self.schedule is None)(params, batch, *extra)
 
   def _ctx(self, manual: frozenset) -> StepContext:
-    return StepContext(self.compute_dtype, self.layout.param_dims, manual,
+    dims = zero.mark_frozen(self.layout.param_dims, self.frozen)
+    return StepContext(self.compute_dtype, dims, manual,
                        self.cfg.parallel.remat, self.context_attention)
 
   def _micro(self, batch):
