@@ -5,7 +5,8 @@ and the state's shardings; only the loss comparisons run steps. The model is one
 parameters dominate: 8 layers, d_model 256, d_ff 1024, one 32-token sequence per device.
 
 Measured here (bytes per device): ZeRO-3 temp 42,839,912 when the backward kept every gathered
-layer, 10,915,272 with re-gathering (arguments 9,683,856 either way). Offload, derived from the
+layer, 10,981,192 with re-gathering and each weight gathered alone (GPUs), 13,172,424 with the
+CPU's combined gathers of up to 2 MiB (arguments 9,683,988). Offload, derived from the
 shardings' memory kinds, not measured (XLA:CPU counts pinned_host arguments with the others): device
 bytes at stage 1 83,926,648 -> 61,693,312, at stage 3 20,599,128 -> 14,407,584, a saving of 95.9%
 of the optimizer state (6,455,816); one layer of the largest stacked leaf's moments (262,144) is on

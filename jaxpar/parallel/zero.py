@@ -142,14 +142,15 @@ def named(mesh, specs: Any, memory_kind: str | None = None) -> Any:
 # Stage 3 on the CPU gathers a layer's weights in few all-gathers instead of one per weight:
 # XLA:CPU combines no collectives, and each one is a rendezvous of every simulated device's thread
 # on the host's few cores (on the 2-core machine, FSDP 8 of the vs_maxtext model: 21 all-gathers
-# and 12 reduce-scatters a step -> 3 and 2, 10-20% less wall time a step). A combined gather holds
-# its leaves twice for a moment (the gathered rows, then each leaf cut out of them), so each one
-# carries at most COMBINE_BYTES of gathered weights. XLA's GPU and TPU compilers combine
+# and 12 reduce-scatters a step -> 3 and 2, 1.09x -> 1.25x MaxText's tokens/s). A combined gather
+# holds its leaves twice for a moment (the gathered rows, then each leaf cut out of them), so each
+# carries at most COMBINE_BYTES of gathered weights: where a layer is larger, its leaves' bytes
+# and not the rendezvous dominate the collectives' time anyway. XLA's GPU and TPU compilers combine
 # collectives themselves: there each leaf keeps its own all-gather. Nor are leaves combined where
 # another mesh axis splits them (`model`): flattening a split leaf would gather it over that axis.
 # COMBINE: None picks by backend; True / False force that choice (tests).
 COMBINE: bool | None = None
-COMBINE_BYTES = 4 << 20
+COMBINE_BYTES = 2 << 20
 
 
 class Frozen(int):
