@@ -647,12 +647,16 @@ def exchange_floor(cfg, shape):
   return 4 * d * S * D * 4 / m + 2 * d * (E // d) * 4
 
 
-@pytest.mark.parametrize("shape,factor,remat", [
-    ((8, 1, 1), 0.0, "none"), ((8, 1, 1), 1.0, "none"), ((8, 1, 1), 0.0, "dots_saveable"),
-    ((8, 1, 1), 0.0, "offload"), ((2, 4, 1), 0.0, "none"), ((4, 2, 1), 1.0, "none")],
+@pytest.mark.parametrize("shape,factor,remat,ragged", [
+    ((8, 1, 1), 0.0, "none", False), ((8, 1, 1), 1.0, "none", False),
+    ((8, 1, 1), 0.0, "dots_saveable", False), ((8, 1, 1), 0.0, "offload", False),
+    ((2, 4, 1), 0.0, "none", False), ((4, 2, 1), 1.0, "none", False),
+    ((2, 4, 1), 0.0, "none", True), ((4, 2, 1), 0.0, "none", True)],
     ids=["dropless", "capacity-1", "dropless-remat_dots_saveable", "dropless-remat_offload",
-         "dropless-2x4x1", "capacity-1-4x2x1"])
-def test_all_to_all_bytes_per_moe_layer_follow_the_buffer_formula(shape, factor, remat):
+         "dropless-2x4x1", "capacity-1-4x2x1", "accelerators-dropless-2x4x1-split-buffers",
+         "accelerators-dropless-4x2x1-ragged-whole-rows"])
+def test_all_to_all_bytes_per_moe_layer_follow_the_buffer_formula(monkeypatch, shape, factor,
+                                                                   remat, ragged):
   """Per device, per MoE layer and step, the all-to-alls in the layers' loop (hlo's result bytes)
   are `exchange_floor`: the block's checkpoint keeps moe.SAVED, so the backward runs no exchange
   again; dropless, a buffer holds all of a device's rows for each owner (XLA:CPU has no ragged
@@ -660,12 +664,21 @@ def test_all_to_all_bytes_per_moe_layer_follow_the_buffer_formula(shape, factor,
   rows. parallel.remat=dots_saveable and offload keep moe.SAVED too (stack.remat_policy), so they
   run no exchange again either (6 buffers without). With the experts' width split 4 ways over
   `model` each device sends a quarter of every row (each sending whole rows is 4x the floor);
-  test_expert_split_exchanges_by_all_to_all_and_never_gathers_the_experts holds 4x2x1 to it."""
+  test_expert_split_exchanges_by_all_to_all_and_never_gathers_the_experts holds 4x2x1 to it.
+
+  `ragged`: the accelerators' choice (expert.RAGGED, the ragged exchange emulated by padded
+  buffers of whole rows): with the width split m ways over d owners the ragged exchange, whose
+  rows cross whole, runs only where it sends no more (m <= d, dropless: 4x2x1, here its
+  emulation's d x S whole rows), else the split buffers at the floor (2x4x1)."""
+  from jaxpar.parallel import expert
+  monkeypatch.setattr(expert, "RAGGED", ragged)
   cfg = make_cfg(f"model.capacity_factor={factor}", f"parallel.remat={remat}")
   t = Trainer(cfg, jmesh.make(shape), jmodel.gpt(cfg))
   text = t.lower({"tokens": jax.ShapeDtypeStruct((8, 17), jnp.int32)}).compile().as_text()
   moved = hlo.collective_bytes_in_loops(text)["all-to-all"] / cfg.model.n_layers
-  assert moved == pytest.approx(exchange_floor(cfg, shape), rel=0.10), moved
+  whole = ragged and shape[1] <= shape[0]
+  want = exchange_floor(cfg, (shape[0], 1, 1) if whole else shape)
+  assert moved == pytest.approx(want, rel=0.10), (moved, want)
 
 
 # -- memory from the compiled program --------------------------------------------------------------

@@ -207,6 +207,20 @@ def run_slotted(buf: jax.Array, compute: Callable, axis: str, manual=frozenset()
   return move(along_d(out, split)).reshape(E, C, D)  # [j] from owner j: its experts' slots
 
 
+def _ragged_sends_less(A: int, S: int, d: int, split: str) -> bool:
+  """Whether the ragged exchange, whose rows cross whole, sends at most the padded one's bytes
+  where `split` (m devices) splits the experts' width: at most A whole rows a device (its routed
+  rows, the real ones only) against d buffers of S rows, 1/m of each row's width (d S D / m).
+  Dropless (S = A) the ragged path wins where m <= d. It cannot split the rows itself: inside the
+  step (a layer scan under jax.checkpoint) a shard_map over `model` nested around it is split by
+  the remat's partial evaluation, its constants and index arithmetic carried out as residuals
+  whose shardings the partitioner refuses ("manual axis model after free axis data", JAX 0.10.2;
+  the padded exchange's nested map holds nothing but the all-to-all), and left to GSPMD its
+  operand is gathered over `model` first."""
+  m = jax.sharding.get_abstract_mesh().shape[split]
+  return m * A <= d * S
+
+
 def run_owned(rows: jax.Array, group_sizes: jax.Array, compute: Callable, capacity: int,
               axis: str, manual=frozenset()) -> jax.Array:
   """compute's outputs for rows (A, D) sorted by expert, group_sizes (E,) of them (the rows past
@@ -216,19 +230,17 @@ def run_owned(rows: jax.Array, group_sizes: jax.Array, compute: Callable, capaci
   Where `width_axis` splits the experts' width, the buffers cross split along D over it, and the
   result comes back split so (GSPMD gathers it where the block needs the whole row)."""
   A, D = rows.shape
-  # the ragged exchange crosses whole rows: inside the step (a layer scan under jax.checkpoint) a
-  # shard_map over `model` nested around it is split by the remat's partial evaluation, its
-  # constants and index arithmetic carried out as residuals whose shardings the partitioner
-  # refuses ("manual axis model after free axis data", JAX 0.10.2); the padded exchange's nested
-  # map holds nothing but the all-to-all
-  split = None if ragged() else width_axis(D, manual)
-  along_d = lambda x, a: x if split is None else jax.lax.with_sharding_constraint(
-      x, P(*(None,) * (x.ndim - 1), a))  # (.., D) split over `a` along D, or whole (None)
   d, E = jax.lax.axis_size(axis), group_sizes.shape[0]
   El, S = E // d, capacity
+  split = width_axis(D, manual)
+  use_ragged = ragged() and (split is None or _ragged_sends_less(A, S, d, split))
+  if use_ragged:
+    split = None  # see _ragged_sends_less
+  along_d = lambda x, a: x if split is None else jax.lax.with_sharding_constraint(
+      x, P(*(None,) * (x.ndim - 1), a))  # (.., D) split over `a` along D, or whole (None)
   rt = routes(group_sizes, axis)
   r = jnp.arange(S)
-  if ragged():  # only the real rows cross, into sender s's slot s x S of each owner's buffer
+  if use_ragged:  # only the real rows cross, into sender s's slot s x S of each owner's buffer
     there, home = ragged_args(rt, axis, S)
     recv = _linear(*_ragged_all_to_all(there, d * S, axis, S), rows, split)
   else:  # a buffer of S rows for each owner, its rows first, then zeros
@@ -246,7 +258,7 @@ def run_owned(rows: jax.Array, group_sizes: jax.Array, compute: Callable, capaci
   # the experts' sums over `split` sent split along D (and in the backward, the cotangent whole
   # once for the experts' matmuls, not a tile at a time)
   out = along_d(along_d(out, None)[jnp.argsort(order)], split)
-  if ragged():  # each sender's rows straight to their places among its sorted rows, zeros past
+  if use_ragged:  # each sender's rows straight to their places among its sorted rows, zeros past
     return _linear(*_ragged_all_to_all(home, A, axis, S), out, split)
   back = _linear(functools.partial(_tiled_all_to_all, axis=axis), (), out.reshape(d, S, D),
                  split)  # (d, S, D): back[j] from owner j
