@@ -282,9 +282,8 @@ class Trainer:
                          axis_names=manual, check_vma=self.schedule is None)(params, batch, *extra)
 
   def _ctx(self, manual: frozenset) -> StepContext:
-    dims = zero.mark_frozen(self.layout.param_dims, self.frozen)
-    return StepContext(self.compute_dtype, dims, manual,
-                       self.cfg.parallel.remat, self.context_attention)
+    return StepContext(self.compute_dtype, zero.mark_frozen(self.layout.param_dims, self.frozen),
+                       manual, self.cfg.parallel.remat, self.context_attention)
 
   def _micro(self, batch):
     """Batch leaves (b, ...) -> (M, b / M, ...) for the pipeline schedule's M microbatches."""
